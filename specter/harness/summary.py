@@ -1,0 +1,58 @@
+"""Per-(method, model, memory, dataset) summary of a records.csv, as CSV and a terminal table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+GROUP = ["method", "model", "memory", "dataset"]
+
+
+def summarize(records: pd.DataFrame) -> pd.DataFrame:
+    df = records.copy()
+    df["h2d_mb_per_token"] = df["h2d_bytes"] / df["new_tokens"] / 1e6
+    demand = df["demand_hits"] + df["demand_misses"]
+    df["hit_rate"] = df["demand_hits"] / demand.where(demand > 0)
+    agg = df.groupby(GROUP, sort=False).agg(
+        records=("output_digest", "size"),
+        new_tokens=("new_tokens", "median"),
+        tpot_ms=("tpot_ms", "median"),
+        tpot_fair_ms=("tpot_fair_ms", "median"),
+        ttft_ms=("ttft_ms", "median"),
+        acceptance=("acceptance_rate", "mean"),
+        mean_accepted_len=("mean_accepted_len", "mean"),
+        h2d_mb_per_token=("h2d_mb_per_token", "mean"),
+        hit_rate=("hit_rate", "mean"),
+        prefetch_recall=("prefetch_recall", "mean"),
+    )
+    bytes_sum = df.groupby(GROUP, sort=False)["h2d_bytes"].sum()
+    oracle_sum = df.groupby(GROUP, sort=False)["oracle_h2d_bytes"].sum(min_count=1)
+    agg["oracle_ratio"] = bytes_sum / oracle_sum.where(oracle_sum > 0)
+    return agg.reset_index()
+
+
+def write_summary(out: Path) -> pd.DataFrame:
+    records = pd.read_csv(out / "records.csv")
+    summary = summarize(records)
+    summary.to_csv(out / "summary.csv", index=False)
+    return summary
+
+
+def print_summary(summary: pd.DataFrame, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, header_style="bold")
+    shown = [c for c in summary.columns if summary[c].notna().any()]
+    for col in shown:
+        table.add_column(col, justify="left" if col in GROUP else "right")
+    for _, row in summary.iterrows():
+        table.add_row(*[_fmt(row[c]) for c in shown])
+    Console(width=max(120, 14 * len(shown))).print(table)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "" if pd.isna(v) else f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)

@@ -1,0 +1,254 @@
+"""Deterministic tiny random-weight checkpoints of the three real MoE architectures.
+
+Each tiny model keeps its real counterpart's routed-expert count, top-k, shared-expert layout,
+attention type and routing function, and shrinks hidden size, depth and vocabulary. Dimensions
+suit gptqmodel's CPU kernel (out_features % 16 == 0, in_features % 128 == 0 for every expert
+linear, so GPTQ group size 128 applies unchanged) and llama.cpp's converters.
+
+    python -m specter.models.tiny --help
+
+Checkpoints are written once into the cache folder (`$SPECTER_HOME`, default `~/.cache/specter`)
+with `save_pretrained` (safetensors) plus a byte-level BPE tokenizer trained locally on the Python
+standard library's sources. The same seed gives the same bytes; `TINY_WEIGHT_SHA256` pins them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOKENIZER_VOCAB = 1024
+TOKENIZER_CORPUS_BYTES = 4_000_000
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """A tiny architecture: the transformers config class and its keyword arguments."""
+
+    name: str
+    real: str  # the real model it mirrors
+    model_type: str
+    config_kwargs: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+
+_COMMON = dict(
+    vocab_size=TOKENIZER_VOCAB,
+    hidden_size=128,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=1,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+)
+
+TINY_SPECS: dict[str, TinySpec] = {
+    "tiny_dsv2": TinySpec(
+        name="tiny_dsv2",
+        real="deepseek-ai/DeepSeek-V2-Lite",
+        model_type="deepseek_v2",
+        seed=1,
+        config_kwargs=dict(
+            _COMMON,
+            num_hidden_layers=4,
+            first_k_dense_replace=1,  # layer 0 is dense, as in DeepSeek-V2-Lite
+            intermediate_size=256,
+            moe_intermediate_size=128,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            n_shared_experts=2,
+            topk_method="greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            kv_lora_rank=64,
+            q_lora_rank=64,  # llama.cpp only treats 26/27-layer models as "lite" (no q_lora)
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=32,
+            v_head_dim=64,
+            head_dim=64,
+        ),
+    ),
+    "tiny_qwen": TinySpec(
+        name="tiny_qwen",
+        real="Qwen/Qwen1.5-MoE-A2.7B",
+        model_type="qwen2_moe",
+        seed=2,
+        config_kwargs=dict(
+            _COMMON,
+            num_hidden_layers=4,
+            intermediate_size=256,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=256,
+            num_experts=60,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        ),
+    ),
+    "tiny_phi": TinySpec(
+        name="tiny_phi",
+        real="microsoft/Phi-3.5-MoE-instruct",
+        model_type="phimoe",
+        seed=3,
+        config_kwargs=dict(
+            _COMMON,
+            num_hidden_layers=4,
+            intermediate_size=256,  # Phi experts are ~9x a DeepSeek expert; keep them larger here too
+            num_local_experts=16,
+            num_experts_per_tok=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,  # grouped-query attention
+            router_jitter_noise=0.01,
+            input_jitter_noise=0.0,
+        ),
+    ),
+}
+
+# sha256 over (name, dtype, shape, bytes) of every tensor, in sorted name order; see `weights_digest`.
+TINY_WEIGHT_SHA256: dict[str, str] = json.loads(
+    (Path(__file__).with_name("tiny_checksums.json")).read_text()
+) if Path(__file__).with_name("tiny_checksums.json").exists() else {}
+
+
+def specter_home() -> Path:
+    """Root of Specter's cache (tiny checkpoints, drafts, calibration): `$SPECTER_HOME` or ~/.cache/specter."""
+    return Path(os.environ.get("SPECTER_HOME", Path.home() / ".cache" / "specter"))
+
+
+def tiny_dir(name: str, trained: bool = False, root: Path | None = None) -> Path:
+    root = root or specter_home() / "models"
+    return root / (f"{name}-trained" if trained else name)
+
+
+def make_config(name: str):
+    """The transformers config of a tiny model (a real config class of the real architecture)."""
+    from transformers import AutoConfig
+
+    spec = _spec(name)
+    return AutoConfig.for_model(spec.model_type, **spec.config_kwargs)
+
+
+def _spec(name: str) -> TinySpec:
+    if name not in TINY_SPECS:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {sorted(TINY_SPECS)}")
+    return TINY_SPECS[name]
+
+
+def build_random_model(name: str) -> torch.nn.Module:
+    """A fresh random-weight model; the same bytes for the same spec and library versions."""
+    from transformers import AutoModelForCausalLM
+
+    spec = _spec(name)
+    config = make_config(name)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def weights_digest(state_dict: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in sorted name order."""
+    h = hashlib.sha256()
+    for key in sorted(state_dict):
+        t = state_dict[key].detach().contiguous().cpu()
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------- tokenizer
+def stdlib_corpus(max_bytes: int = TOKENIZER_CORPUS_BYTES) -> list[str]:
+    """Python standard library sources in a fixed order: a text corpus every machine has offline."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(lib.glob("*.py")) + sorted((lib / "pydoc_data").glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
+    """A byte-level BPE trained on `stdlib_corpus()`, wrapped as a `PreTrainedTokenizerFast`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(stdlib_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKENS[0],
+        eos_token=SPECIAL_TOKENS[0],
+        pad_token=SPECIAL_TOKENS[1],
+        model_input_names=["input_ids", "attention_mask"],
+    )
+
+
+# ------------------------------------------------------------------------------------- build
+def ensure_tiny(name: str, root: Path | None = None, force: bool = False) -> Path:
+    """Build `name` into the cache once (weights + tokenizer) and return its folder."""
+    out = tiny_dir(name, root=root)
+    marker = out / "specter_tiny.json"
+    if marker.exists() and not force:
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model = build_random_model(name)
+    digest = weights_digest(model.state_dict())
+    model.save_pretrained(tmp, safe_serialization=True)
+    train_tokenizer().save_pretrained(tmp)
+    (tmp / "specter_tiny.json").write_text(
+        json.dumps({"name": name, "real": _spec(name).real, "weights_sha256": digest}, indent=1)
+    )
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)  # atomic: a half-built folder is never mistaken for a finished one
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Build the tiny random-weight MoE checkpoints into the cache.")
+    ap.add_argument("names", nargs="*", default=sorted(TINY_SPECS), help="which tiny models (default: all)")
+    ap.add_argument("--force", action="store_true", help="rebuild even if present")
+    ap.add_argument("--print-digests", action="store_true", help="print the weight checksums as JSON")
+    args = ap.parse_args(argv)
+    digests = {}
+    for name in args.names:
+        path = ensure_tiny(name, force=args.force)
+        digests[name] = json.loads((path / "specter_tiny.json").read_text())["weights_sha256"]
+        print(f"{name}: {path}")
+    if args.print_digests:
+        print(json.dumps(digests, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Specter's routed-experts module: one model instance, two modes.
+
+Every MoE block keeps its own router and shared experts; only `block.experts` is replaced by
+`SpecterExperts`, called exactly like transformers' fused experts module:
+`experts(hidden [T,H], topk_idx [T,k], topk_w [T,k]) -> [T,H]`. All layers consult one
+`MoERuntime`, which says which mode the shared instance is in:
+
+    draft   resident INT4 experts, fused multi-expert kernel; routes counted into the ELB
+    target  FP experts from the per-layer device cache, expert-wise (or token-wise) schedule
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specter.offload.residency import expert_wise_moe, token_wise_moe
+
+SCHEDULES = ("expert", "token")
+
+
+@dataclass
+class RouteLog:
+    """The target's actual experts per MoE layer for the current window (for metrics and the oracle)."""
+
+    windows: list[dict[int, set[int]]] = field(default_factory=list)
+
+    def begin_window(self) -> None:
+        self.windows.append({})
+
+    def add(self, layer: int, topk_idx: torch.Tensor) -> None:
+        if not self.windows:
+            self.begin_window()
+        self.windows[-1].setdefault(layer, set()).update(topk_idx.flatten().tolist())
+
+
+@dataclass
+class MoERuntime:
+    """Shared state every `SpecterExperts` layer consults (mode, cache, draft, ELB, logs)."""
+
+    cache: Any  # specter.offload.cache.ExpertCache
+    mode: str = "target"  # "target" | "draft"
+    schedule: str = "expert"  # target-mode schedule: "expert" | "token"
+    draft: dict[int, Any] | None = None  # MoE layer -> INT4 draft experts (resident)
+    draft_forward: Callable[..., torch.Tensor] | None = None  # fused draft kernel
+    elb: Any = None  # specter.predict.elb.ExpertLoadBuffer, counted in draft mode
+    route_log: RouteLog | None = None  # target routes per window, when metrics need them
+    before_target_layer: Callable[[int, torch.Tensor], None] | None = None  # e.g. oracle prefetch
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown target schedule {self.schedule!r}; choose one of {SCHEDULES}")
+
+    def experts_forward(self, layer: int, x, topk_idx, topk_w, act_fn) -> torch.Tensor:
+        if self.mode == "draft":
+            if self.elb is not None:
+                self.elb.add(layer, topk_idx)
+            return self.draft_forward(x, topk_idx, topk_w, self.draft[layer], act_fn)
+        if self.route_log is not None:
+            self.route_log.add(layer, topk_idx)
+        if self.before_target_layer is not None:
+            self.before_target_layer(layer, topk_idx)
+        run = expert_wise_moe if self.schedule == "expert" else token_wise_moe
+        return run(x, topk_idx, topk_w, layer, self.cache, act_fn)
+
+
+class SpecterExperts(torch.nn.Module):
+    """Drop-in replacement for a transformers fused experts module (no parameters of its own)."""
+
+    def __init__(self, layer: int, act_fn: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.layer = layer
+        self.act_fn = act_fn
+        self.runtime: MoERuntime | None = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.runtime is None:
+            raise RuntimeError(f"SpecterExperts of layer {self.layer} has no runtime attached")
+        return self.runtime.experts_forward(self.layer, hidden_states, top_k_index, top_k_weights, self.act_fn)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}"

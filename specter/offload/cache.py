@@ -1,0 +1,336 @@
+"""Per-layer expert slot cache: LRU policy (plain Python) over device slots (movement via a link).
+
+Each MoE layer owns M fixed device slots (M = cache capacity of that layer). A slot
+holds one expert's flat buffer and carries two orderings:
+
+- ``ready``: the ticket of the copy that filled it (copy -> compute);
+- ``last_use``: on CUDA, an event recorded on the compute stream when the slot was
+  released (compute -> next overwrite; passed to the link as ``after=``).
+
+An expert is *protected* while a handle on it is outstanding (acquired, not yet
+released) or while a prefetch of it has not yet been consumed by an ``acquire``;
+protected slots are never evicted, so a layer may refuse a load (``None``) when all
+of its slots are protected - the caller releases something and retries.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from .link import CompletedTicket, Ticket, TransferLink
+from .store import ExpertUID, HostExpertStore
+
+
+class LRUPolicy:
+    """Eviction policy of one layer: expert -> slot map, LRU order, protection counts."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._slot: dict[int, int] = {}  # expert -> slot
+        self._order: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._protect: dict[int, int] = {}  # expert -> outstanding protections
+        self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
+
+    def lookup(self, expert: int) -> int | None:
+        """Slot holding ``expert``, or None."""
+        return self._slot.get(expert)
+
+    def touch(self, expert: int) -> None:
+        """Mark ``expert`` most recently used."""
+        self._order.move_to_end(expert)
+
+    def choose_victim(self) -> int | None:
+        """Least recently used unprotected expert, or None when all are protected."""
+        for expert in self._order:
+            if not self._protect.get(expert):
+                return expert
+        return None
+
+    def admit(self, expert: int) -> tuple[int, int | None] | None:
+        """Place a new ``expert``: a free slot, else the victim's. Returns ``(slot, evicted)``,
+        or None when the layer is full and every resident is protected."""
+        if expert in self._slot:
+            raise ValueError(f"expert {expert} is already resident in slot {self._slot[expert]}")
+        if self._free:
+            slot, evicted = self._free.pop(), None
+        else:
+            evicted = self.choose_victim()
+            if evicted is None:
+                return None
+            slot = self._slot.pop(evicted)
+            del self._order[evicted]
+        self._slot[expert] = slot
+        self._order[expert] = None
+        return slot, evicted
+
+    def protect(self, expert: int) -> None:
+        if expert not in self._slot:
+            raise KeyError(f"cannot protect non-resident expert {expert}")
+        self._protect[expert] = self._protect.get(expert, 0) + 1
+
+    def unprotect(self, expert: int) -> None:
+        count = self._protect.get(expert, 0)
+        if count < 1:
+            raise RuntimeError(f"expert {expert} is not protected")
+        if count == 1:
+            del self._protect[expert]
+        else:
+            self._protect[expert] = count - 1
+
+    def is_protected(self, expert: int) -> bool:
+        return bool(self._protect.get(expert))
+
+    def protected_count(self) -> int:
+        """Number of resident experts currently protected."""
+        return len(self._protect)
+
+    def residents(self) -> dict[int, int]:
+        """expert -> slot, a copy."""
+        return dict(self._slot)
+
+    def lru_order(self) -> list[int]:
+        return list(self._order)
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+
+@dataclass
+class SlotHandle:
+    """An expert placed in a device slot. ``ready`` may still be in flight; ``hit`` says
+    whether the expert was already resident (or already loading) when asked for."""
+
+    uid: ExpertUID
+    slot: int
+    ready: Ticket
+    hit: bool
+    prefetch: bool = False
+    released: bool = False
+
+
+@dataclass
+class CacheCounters:
+    """Per-record counters. ``loads`` counts every copy submitted (demand, prefetch or other)."""
+
+    demand_hits: int = 0
+    demand_misses: int = 0
+    prefetch_loads: int = 0
+    prefetch_used: int = 0  # prefetch loads later consumed by a demand acquire
+    loads: int = 0
+    h2d_bytes: int = 0
+    copy_wait_s: float = 0.0
+
+
+@dataclass
+class _Layer:
+    policy: LRUPolicy
+    slots: torch.Tensor  # [M, numel]; row s is slot s's flat buffer
+    ready: list[Ticket]
+    last_use: list[object | None]
+    prefetched: dict[int, bool] = field(default_factory=dict)  # unconsumed prefetch -> was it a load
+
+
+class ExpertCache:
+    """Device slots for the routed experts of each MoE layer, filled from a host store."""
+
+    def __init__(
+        self,
+        store: HostExpertStore,
+        link: TransferLink,
+        capacity: Mapping[int, int],
+        device: torch.device | str,
+        dtype: torch.dtype,
+        initial_residents: Mapping[int, Sequence[int]] | None = None,
+    ):
+        if dtype != store.layout.dtype:
+            raise ValueError(f"slot dtype {dtype} differs from the host store's {store.layout.dtype}")
+        for layer, m in capacity.items():
+            if layer not in store.moe_layers:
+                raise ValueError(f"layer {layer} has a cache capacity but is not a MoE layer of the store")
+            if m < 1:
+                raise ValueError(f"cache capacity of layer {layer} must be >= 1 (top-k needs a slot), got {m}")
+            if m > store.num_experts:
+                raise ValueError(f"cache capacity of layer {layer} is {m}, more than its {store.num_experts} experts")
+        self.store = store
+        self.link = link
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.nbytes_per_expert = store.nbytes_per_expert
+        self._use_events = self.device.type == "cuda"
+        self._initial: dict[int, list[int]] = {}
+        for layer, m in capacity.items():
+            init = list(range(m)) if initial_residents is None else list(initial_residents.get(layer, range(m)))
+            if len(init) != m or len(set(init)) != m or not all(0 <= e < store.num_experts for e in init):
+                raise ValueError(f"initial residents of layer {layer} must be {m} distinct expert ids, got {init}")
+            self._initial[layer] = init
+        self._layers: dict[int, _Layer] = {}
+        for layer, m in capacity.items():
+            slots = torch.empty(m, store.layout.numel, dtype=dtype, device=self.device)  # [M, numel]
+            self._layers[layer] = _Layer(LRUPolicy(m), slots, [CompletedTicket()] * m, [None] * m)
+        self.counters = CacheCounters()
+        self.reset()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def reset(self) -> None:
+        """Restore the initial residents (synchronously), drop protections and counters.
+
+        Outstanding handles become invalid. Call outside timed regions."""
+        self.link.synchronize()  # in-flight copies still write into slots
+        for layer, st in self._layers.items():
+            before = st.policy.residents()
+            ready = [t.done() for t in st.ready]
+            policy = LRUPolicy(st.policy.capacity)
+            for slot, expert in enumerate(self._initial[layer]):
+                got = policy.admit(expert)
+                assert got is not None and got[0] == slot
+                if before.get(expert) != slot or not ready[slot]:
+                    st.slots[slot].copy_(self.store.buffer(ExpertUID(layer, expert)))
+            st.policy = policy
+            st.ready = [CompletedTicket()] * policy.capacity
+            st.last_use = [None] * policy.capacity
+            st.prefetched = {}
+        if self._use_events:
+            torch.cuda.synchronize(self.device)
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.counters = CacheCounters()
+
+    def snapshot_counters(self) -> dict[str, float]:
+        return asdict(self.counters)
+
+    # -- queries ------------------------------------------------------------------------
+    def _layer(self, layer: int) -> _Layer:
+        try:
+            return self._layers[layer]
+        except KeyError:
+            raise KeyError(f"layer {layer} has no expert cache (cached layers: {sorted(self._layers)})") from None
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._layers)
+
+    def capacity(self, layer: int) -> int:
+        return self._layer(layer).policy.capacity
+
+    def resident(self, layer: int) -> set[int]:
+        """Experts in the layer's slots, including ones still loading."""
+        return set(self._layer(layer).policy.residents())
+
+    def is_resident(self, uid: ExpertUID) -> bool:
+        return self._layer(uid.layer).policy.lookup(uid.expert) is not None
+
+    def protected_count(self, layer: int) -> int:
+        return self._layer(layer).policy.protected_count()
+
+    def pending_prefetches(self, layer: int) -> set[int]:
+        """Prefetched experts not yet consumed by an acquire."""
+        return set(self._layer(layer).prefetched)
+
+    def device_bytes(self) -> int:
+        """Footprint of all slots."""
+        return sum(st.slots.numel() * st.slots.element_size() for st in self._layers.values())
+
+    def slot_buffer(self, layer: int, slot: int) -> torch.Tensor:
+        """Flat device buffer of one slot (for inspection)."""
+        return self._layer(layer).slots[slot]
+
+    # -- movement -----------------------------------------------------------------------
+    def _place(self, uid: ExpertUID, st: _Layer) -> tuple[int, Ticket, bool] | None:
+        """Find or load ``uid``; returns ``(slot, ready, hit)`` or None if every slot is protected."""
+        slot = st.policy.lookup(uid.expert)
+        if slot is not None:
+            st.policy.touch(uid.expert)
+            return slot, st.ready[slot], True
+        got = st.policy.admit(uid.expert)
+        if got is None:
+            return None
+        slot, _evicted = got
+        ticket = self.link.submit(self.store.buffer(uid), st.slots[slot], after=st.last_use[slot])
+        st.ready[slot] = ticket
+        st.last_use[slot] = None
+        self.counters.loads += 1
+        self.counters.h2d_bytes += self.nbytes_per_expert
+        return slot, ticket, False
+
+    def acquire(self, uid: ExpertUID, *, demand: bool = True) -> SlotHandle | None:
+        """Protect ``uid`` in a slot (loading it on a miss) and hand it out; None when every
+        slot of the layer is protected. ``demand=False`` leaves hit/miss counters alone."""
+        uid = ExpertUID(*uid)
+        st = self._layer(uid.layer)
+        placed = self._place(uid, st)
+        if placed is None:
+            return None
+        slot, ticket, hit = placed
+        if uid.expert in st.prefetched:  # consume the prefetch: its protection passes to this handle
+            if st.prefetched.pop(uid.expert):
+                self.counters.prefetch_used += 1
+        else:
+            st.policy.protect(uid.expert)
+        if demand:
+            if hit:
+                self.counters.demand_hits += 1
+            else:
+                self.counters.demand_misses += 1
+        return SlotHandle(uid, slot, ticket, hit)
+
+    def prefetch(self, uid: ExpertUID) -> SlotHandle | None:
+        """Load ``uid`` ahead of use (if not resident) and keep it protected until an
+        ``acquire`` of it consumes the prefetch; None when every slot is protected."""
+        uid = ExpertUID(*uid)
+        st = self._layer(uid.layer)
+        placed = self._place(uid, st)
+        if placed is None:
+            return None
+        slot, ticket, hit = placed
+        if uid.expert not in st.prefetched:
+            st.policy.protect(uid.expert)
+            st.prefetched[uid.expert] = not hit
+            if not hit:
+                self.counters.prefetch_loads += 1
+        return SlotHandle(uid, slot, ticket, hit, prefetch=True)
+
+    def release_prefetches(self, layer: int | None = None) -> int:
+        """Drop the protection of unconsumed prefetches (mispredictions); returns how many."""
+        dropped = 0
+        for lay in [layer] if layer is not None else list(self._layers):
+            st = self._layer(lay)
+            for expert in st.prefetched:
+                st.policy.unprotect(expert)
+                dropped += 1
+            st.prefetched = {}
+        return dropped
+
+    def wait(self, handle: SlotHandle) -> float:
+        """Order the caller's compute after the slot's copy; adds host-blocked time to ``copy_wait_s``."""
+        blocked = handle.ready.wait()
+        self.counters.copy_wait_s += blocked
+        return blocked
+
+    def views(self, handle: SlotHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device ``(gate_up [2I,H], down [H,I])`` of the handle's slot."""
+        if handle.released:
+            raise RuntimeError(f"handle of {handle.uid} was already released")
+        return self.store.layout.views(self._layer(handle.uid.layer).slots[handle.slot])
+
+    def release(self, handle: SlotHandle) -> None:
+        """End a use of the slot: unprotect it and (on CUDA) record its last use."""
+        if handle.prefetch:
+            raise ValueError("prefetch handles are consumed by acquire; use release_prefetches() to drop them")
+        if handle.released:
+            raise RuntimeError(f"handle of {handle.uid} released twice")
+        st = self._layer(handle.uid.layer)
+        if st.policy.lookup(handle.uid.expert) != handle.slot:
+            raise RuntimeError(f"stale handle: {handle.uid} no longer occupies slot {handle.slot} (cache reset?)")
+        st.policy.unprotect(handle.uid.expert)
+        if self._use_events:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            st.last_use[handle.slot] = event
+        handle.released = True

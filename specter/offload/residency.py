@@ -1,0 +1,190 @@
+"""Verification-time residency: expert-wise execution of one MoE layer's routed experts.
+
+For the T tokens of a verification pass (K+1 per request) the target router has
+already chosen ``topk_idx [T,k]``. Instead of running tokens one by one, tokens are
+grouped by expert and each expert runs once as a GEMM over its tokens::
+
+    route ──► group tokens by expert (ascending id)
+          ──► acquire hits (protect)  ──► submit misses (as many as free-able slots)
+          ──► compute hits, each waiting only on its own slot's ticket
+          ──► compute misses as they land; a released slot takes the next miss (rolling)
+          ──► index_add_ the per-expert outputs in ascending expert id
+
+The final accumulation order is fixed, so the result never depends on cache state or
+copy timing, and matches the HF eager loop (``reference_moe``) bit for bit on the
+same device and dtype.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cache import ExpertCache, SlotHandle
+from .store import ExpertUID
+
+ActFn = Callable[[torch.Tensor], torch.Tensor]
+OnExpert = Callable[[ExpertUID, bool], None]  # (expert, was it a hit) at compute time
+
+
+def _expert_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn: ActFn) -> torch.Tensor:
+    """One expert on its tokens: ``xs [n,H]`` -> ``[n,H]`` (same op sequence as HF)."""
+    gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(act_fn(gate) * up, down)  # [n, H]
+
+
+def group_by_expert(topk_idx: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``[(expert, token_idx [n], topk_pos [n])]`` in ascending expert id.
+
+    Within an expert, entries are ordered by top-k position then token, i.e. the order
+    ``torch.where(expert_mask[e])`` gives in HF. Index ``num_experts`` is a "no expert"
+    sentinel and is skipped, as in HF. Costs one small device->host copy (the counts)."""
+    T, k = topk_idx.shape
+    flat = topk_idx.t().reshape(-1)  # [k*T], entry j = (pos j // T, token j % T)
+    perm = torch.argsort(flat, stable=True)  # [k*T], grouped by expert, (pos, token) order kept
+    counts = torch.bincount(flat, minlength=num_experts + 1)
+    if counts.numel() > num_experts + 1:
+        raise ValueError(f"routed expert id out of range: max {int(flat.max())}, layer has {num_experts} experts")
+    groups = []
+    start = 0
+    for expert, n in enumerate(counts.tolist()[:num_experts]):
+        if n:
+            sel = perm[start : start + n]  # [n]
+            groups.append((expert, sel % T, torch.div(sel, T, rounding_mode="floor")))
+        start += n
+    return groups
+
+
+def _acquire_or_free(cache: ExpertCache, uid: ExpertUID) -> SlotHandle | None:
+    """Acquire; when every slot is protected, unconsumed prefetches of this layer are
+    mispredictions by now (routing is authoritative), so drop them and retry once."""
+    handle = cache.acquire(uid)
+    if handle is None and cache.release_prefetches(uid.layer):
+        handle = cache.acquire(uid)
+    return handle
+
+
+def expert_wise_moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    layer: int,
+    cache: ExpertCache,
+    act_fn: ActFn,
+    on_expert: OnExpert | None = None,
+) -> torch.Tensor:
+    """Routed-expert output ``[T,H]`` of ``x [T,H]`` for ``topk_idx/topk_w [T,k]`` through the cache."""
+    groups = group_by_expert(topk_idx, cache.store.num_experts)
+    by_expert = {e: (tok, pos) for e, tok, pos in groups}
+    needed = [ExpertUID(layer, e) for e, _, _ in groups]
+
+    # Hits first: protecting them before any miss is submitted keeps misses off their slots.
+    hits = [uid for uid in needed if cache.is_resident(uid)]
+    waiting = deque(uid for uid in needed if not cache.is_resident(uid))
+    ready: deque[SlotHandle] = deque()
+    for uid in hits:
+        handle = cache.acquire(uid)
+        assert handle is not None, "a resident expert can always be acquired"
+        ready.append(handle)
+    in_flight: list[SlotHandle] = []  # submission order
+
+    def submit_waiting() -> None:
+        while waiting:
+            handle = _acquire_or_free(cache, waiting[0])
+            if handle is None:
+                return
+            waiting.popleft()
+            in_flight.append(handle)
+
+    submit_waiting()
+    outputs: dict[int, torch.Tensor] = {}
+    while ready or in_flight:
+        if ready:
+            handle = ready.popleft()
+        else:  # the first miss to land; with one FIFO copy engine that is the oldest
+            i = next((i for i, h in enumerate(in_flight) if h.ready.done()), 0)
+            handle = in_flight.pop(i)
+        cache.wait(handle)
+        tok, pos = by_expert[handle.uid.expert]
+        gate_up, down = cache.views(handle)
+        y = _expert_ffn(x[tok], gate_up, down, act_fn)  # [n, H]
+        outputs[handle.uid.expert] = y * topk_w[tok, pos, None]
+        if on_expert is not None:
+            on_expert(handle.uid, handle.hit)
+        cache.release(handle)
+        submit_waiting()  # rolling: the slot just released takes the next miss
+        if waiting and not ready and not in_flight:
+            raise RuntimeError(
+                f"layer {layer}: all {cache.capacity(layer)} expert slots are protected elsewhere; "
+                f"cannot load expert {waiting[0].expert}"
+            )
+    if waiting:
+        raise RuntimeError(
+            f"layer {layer}: all {cache.capacity(layer)} expert slots are protected elsewhere; "
+            f"cannot load expert {waiting[0].expert}"
+        )
+
+    final = torch.zeros_like(x)  # [T, H]
+    for e in sorted(outputs):
+        final.index_add_(0, by_expert[e][0], outputs[e].to(final.dtype))
+    return final
+
+
+def token_wise_moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    layer: int,
+    cache: ExpertCache,
+    act_fn: ActFn,
+    on_expert: OnExpert | None = None,
+) -> torch.Tensor:
+    """Token-at-a-time execution (what autoregressive offloading does): each token loads
+    and runs its own experts. Same result as ``expert_wise_moe`` up to GEMM rounding;
+    each token's experts are summed in ascending id like the reference."""
+    final = torch.zeros_like(x)  # [T, H]
+    idx_rows = topk_idx.tolist()
+    for t, row in enumerate(idx_rows):
+        for pos in sorted(range(len(row)), key=lambda p: row[p]):
+            e = row[pos]
+            if e == cache.store.num_experts:  # "no expert" sentinel
+                continue
+            uid = ExpertUID(layer, e)
+            handle = _acquire_or_free(cache, uid)
+            if handle is None:
+                raise RuntimeError(f"layer {layer}: all expert slots are protected elsewhere; cannot load expert {e}")
+            cache.wait(handle)
+            gate_up, down = cache.views(handle)
+            y = _expert_ffn(x[t : t + 1], gate_up, down, act_fn) * topk_w[t, pos]  # [1, H]
+            if on_expert is not None:
+                on_expert(uid, handle.hit)
+            cache.release(handle)
+            final[t : t + 1] += y.to(final.dtype)
+    return final
+
+
+def reference_moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    gate_up_all: torch.Tensor,
+    down_all: torch.Tensor,
+    act_fn: ActFn,
+) -> torch.Tensor:
+    """The HF eager expert loop over all-resident weights ``gate_up_all [E,2I,H]``,
+    ``down_all [E,H,I]`` (pure PyTorch, no cache)."""
+    E = gate_up_all.shape[0]
+    final = torch.zeros_like(x)  # [T, H]
+    expert_mask = F.one_hot(topk_idx, num_classes=E + 1).permute(2, 1, 0)  # [E+1, k, T]
+    expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in expert_hit[:, 0].tolist():
+        if e == E:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[e])
+        y = _expert_ffn(x[token_idx], gate_up_all[e], down_all[e], act_fn)
+        y = y * topk_w[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, y.to(final.dtype))
+    return final

@@ -1,0 +1,51 @@
+"""Shared test fixtures: tiny checkpoints (built once into the cache) and config composition."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+FIXTURES = REPO / "tests" / "fixtures"
+TINY_MODELS = ("tiny_dsv2", "tiny_qwen", "tiny_phi")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint():
+    """name -> folder of the tiny checkpoint (built once into $SPECTER_HOME)."""
+    from specter.models.tiny import ensure_tiny
+
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = ensure_tiny(name)
+        return cache[name]
+
+    return get
+
+
+def compose(overrides: list[str]):
+    """The run config as `python run.py <overrides>` would compose it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def run_cli(args: list[str], cwd: Path | None = None, timeout: int = 600):
+    """Run `python run.py args...` in a subprocess; returns CompletedProcess."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run(
+        [sys.executable, str(REPO / "run.py"), *args],
+        capture_output=True, text=True, cwd=cwd or REPO, env=env, timeout=timeout,
+    )

@@ -1,0 +1,72 @@
+"""Every config option composes; invalid values are rejected before any model loads."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from conftest import REPO, compose
+from specter.harness.config import ConfigError, effective_K, resident_experts, validate
+
+GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml")) for g in
+          ("model", "memory", "dataset", "method", "hardware", "experiment")}
+
+
+def test_groups_are_complete():
+    assert {"tiny_dsv2", "tiny_qwen", "tiny_phi", "dsv2", "qwen15moe", "phi35moe"} <= set(GROUPS["model"])
+    assert {"high", "low"} <= set(GROUPS["memory"])
+    assert {"c4", "wikitext2", "humaneval", "gsm8k", "gpqa", "all"} <= set(GROUPS["dataset"])
+    assert {"cpu", "emulated", "cuda"} <= set(GROUPS["hardware"])
+    assert "target_only" in GROUPS["method"] and "main" in GROUPS["experiment"]
+
+
+@pytest.mark.parametrize("model,memory", itertools.product(GROUPS["model"], GROUPS["memory"]))
+def test_every_model_and_tier_composes_and_validates(model, memory):
+    cfg = compose([f"model={model}", f"memory={memory}"])
+    validate(cfg)
+    assert 1 <= resident_experts(cfg) <= cfg.model.num_experts
+
+
+@pytest.mark.parametrize("group", ["dataset", "method", "hardware", "experiment"])
+def test_every_option_composes(group):
+    for option in GROUPS[group]:
+        cfg = compose([f"{group}={option}"])
+        validate(cfg)
+
+
+def test_paper_resident_counts():
+    expect = {("dsv2", "high"): 16, ("dsv2", "low"): 4, ("qwen15moe", "high"): 15, ("qwen15moe", "low"): 8,
+              ("phi35moe", "high"): 2, ("phi35moe", "low"): 1}
+    for (model, memory), M in expect.items():
+        assert resident_experts(compose([f"model={model}", f"memory={memory}"])) == M
+        tiny = {"dsv2": "tiny_dsv2", "qwen15moe": "tiny_qwen", "phi35moe": "tiny_phi"}[model]
+        assert resident_experts(compose([f"model={tiny}", f"memory={memory}"])) == M
+
+
+def test_model_default_K():
+    assert [effective_K(compose([f"model={m}"])) for m in ("dsv2", "qwen15moe", "phi35moe")] == [16, 8, 16]
+    assert effective_K(compose(["K=4"])) == 4
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["num_prompts=-1"], "num_prompts"),
+        (["repeats=0"], "repeats"),
+        (["max_new_tokens=0"], "max_new_tokens"),
+        (["prefix_tokens=100000"], "context"),
+        (["prefix_tokens=400", "max_new_tokens=200"], "exceeds"),
+        (["K=0"], "K must be"),
+        (["temperature=-1"], "temperature"),
+        (["top_p=0"], "top_p"),
+        (["verify_lossless=true", "temperature=0.7"], "temperature=0"),
+        (["+memory.resident_experts=0"], "no expert slot"),
+        (["+memory.resident_experts=999"], "exceeds"),
+    ],
+)
+def test_invalid_values_rejected(overrides, match):
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg)
+        resident_experts(cfg)
