@@ -186,19 +186,25 @@ def test_emulated_copy_overlaps_compute():
     copy_s = link.transfer_seconds(4 * n)
     iters = max(1, int(copy_s / per_iter))
     src, dst = torch.randn(n), torch.zeros(n)
+    ratios = []
+    for _ in range(3):  # best of 3: the machine is shared and noisy
+        t0 = time.perf_counter()
+        _matmul_work(iters)
+        compute_s = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    _matmul_work(iters)
-    compute_s = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    ticket = link.submit(src, dst)
-    _matmul_work(iters)
-    ticket.wait()
-    both = time.perf_counter() - t0
+        dst.zero_()
+        t0 = time.perf_counter()
+        ticket = link.submit(src, dst)
+        _matmul_work(iters)
+        overlapped_compute = time.perf_counter() - t0
+        blocked = ticket.wait()
+        both = time.perf_counter() - t0
+        assert torch.equal(src, dst)
+        # the copy ran during the compute: only its remainder is left to wait for
+        assert blocked <= max(0.0, copy_s - overlapped_compute) + 0.015, (blocked, copy_s, overlapped_compute)
+        ratios.append(both / (copy_s + compute_s))
     link.close()
-    assert torch.equal(src, dst)
-    assert both < 0.8 * (copy_s + compute_s), (both, copy_s, compute_s)
+    assert min(ratios) < 0.8, ratios
 
 
 def test_emulated_copy_waits_for_after():

@@ -32,7 +32,7 @@ def generate_autoregressive(
     clock = clock or CommitClock()
     cache = DynamicCache(config=model.config)
     clock.start()
-    logits = model(input_ids=prompt_ids, past_key_values=cache, use_cache=True).logits[0, -1]  # [V]
+    logits = model(input_ids=prompt_ids, cache=cache, use_cache=True).logits[0, -1]  # [V]
     tokens: list[int] = []
     while True:
         tok = next_token(logits, params, generator)
@@ -41,4 +41,4 @@ def generate_autoregressive(
         if len(tokens) == max_new_tokens:
             return tokens
         step = torch.tensor([[tok]], device=prompt_ids.device)
-        logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(input_ids=step, cache=cache, use_cache=True).logits[0, -1]

@@ -92,3 +92,49 @@ def build_method(cfg: DictConfig, checkpoint: Path) -> Method:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
     return METHODS[name](cfg, checkpoint)
+
+
+class OffloadAR(Method):
+    """Autoregressive decoding through the offloading runtime: on-demand loads, per-layer LRU.
+
+    The Mixtral-Offloading-style core (no speculation, no prefetch) that Specter is measured against.
+    """
+
+    name = "offload_ar"
+
+    def __init__(self, cfg: DictConfig, checkpoint: Path):
+        super().__init__(cfg, checkpoint)
+        from specter.runtime import build_runtime
+
+        self.rt = build_runtime(cfg, checkpoint)
+        self.rt.enforce_budget(0, f"{cfg.model.name} offload_ar at memory={cfg.memory.name} (M={self.rt.resident})")
+        self.rt.moe.schedule = cfg.method.get("schedule", "expert")
+
+    def reset(self) -> None:
+        self.rt.cache.reset()  # initial residents, counters cleared; outside timing
+
+    def generate(self, prompt_ids, max_new_tokens, generator):
+        clock = CommitClock()
+        tokens = generate_autoregressive(self.rt.model, prompt_ids, max_new_tokens, self.params, generator, clock)
+        return Generation(tokens, clock, io_stats(self.rt.cache))
+
+    def environment(self) -> dict[str, Any]:
+        return runtime_environment(self.rt)
+
+    def close(self) -> None:
+        self.rt.close()
+
+
+def io_stats(cache) -> dict[str, Any]:
+    c = cache.snapshot_counters()
+    return {"h2d_bytes": int(c["h2d_bytes"]), "demand_hits": int(c["demand_hits"]),
+            "demand_misses": int(c["demand_misses"]), "copy_wait_ms": c["copy_wait_s"] * 1e3}
+
+
+def runtime_environment(rt) -> dict[str, Any]:
+    return {"link": rt.link_params.as_dict(), "resident_experts_per_layer": rt.resident,
+            "expert_bytes": rt.om.store.nbytes_per_expert, "moe_layers": rt.om.moe_layers,
+            "footprint_bytes": rt.footprint.__dict__, "budget_bytes": rt.budget_bytes}
+
+
+register("offload_ar", OffloadAR)

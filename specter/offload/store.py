@@ -92,10 +92,11 @@ def _cuda_host_register(arena: torch.Tensor) -> bool:
     """Page-lock an existing host tensor in place; False where the runtime lacks the call."""
     try:
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel() * arena.element_size(), 0)
-    except (AttributeError, RuntimeError):
+        # flag 1 = cudaHostRegisterPortable: pinned for every CUDA context
+        err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel() * arena.element_size(), 1)
+    except (AttributeError, AssertionError, RuntimeError):
         return False
-    if int(getattr(err, "value", err)) != 0:
+    if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister failed ({err}) for a {arena.nbytes / 2**30:.2f} GiB host arena")
     return True
 

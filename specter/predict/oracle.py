@@ -52,14 +52,14 @@ def min_loads(windows: Sequence[AbstractSet[int]], capacity: int, initial_reside
         for e in reversed(order):  # the last served gets the smallest rank of this window
             rank += 1
             next_rank[e] = rank
-    # Forward pass: hits cost nothing; each miss evicts the furthest-next-request resident.
+    # Forward pass: hits are served first (free); then each miss, in serving order, evicts the
+    # resident whose next request is furthest (all residents are served by then).
     cache = set(initial_residents)
     loads = 0
     for t in range(T):
         nxt = next_after[t]
-        for e in serve_order[t]:
-            if e in cache:
-                continue
+        misses = [e for e in serve_order[t] if e not in cache]
+        for e in misses:
             loads += 1
             if len(cache) >= capacity:
                 cache.remove(min(cache, key=lambda r: (nxt.get(r, -1), r)))

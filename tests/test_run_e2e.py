@@ -1,0 +1,78 @@
+"""run.py end to end on each tiny architecture: records, resume, no-overwrite, clear errors."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from conftest import FIXTURES, run_cli
+from specter.harness.records import COLUMNS
+
+ASSETS = f"assets_dir={FIXTURES / 'datasets'}"
+FAST = ["num_prompts=2", "repeats=1", "max_new_tokens=6", "warmup_tokens=2", "progress=false", ASSETS]
+
+
+@pytest.mark.parametrize("model", ["tiny_dsv2", "tiny_qwen", "tiny_phi"])
+def test_target_only_writes_records(model, tmp_path, tiny_checkpoint):
+    tiny_checkpoint(model)
+    out = tmp_path / "run"
+    res = run_cli(["method=target_only", f"model={model}", "dataset=humaneval", *FAST, f"output_dir={out}"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    records = pd.read_csv(out / "records.csv")
+    assert tuple(records.columns) == COLUMNS
+    assert len(records) == 2 and (records.new_tokens == 6).all()
+    assert records.tpot_ms.gt(0).all() and records.output_digest.str.len().eq(64).all()
+    assert records.acceptance_rate.isna().all()  # not a speculative method: empty, not a fake number
+    for name in ("summary.csv", "config.yaml", "env.json"):
+        assert (out / name).exists()
+    assert "summary.csv" in res.stdout
+
+
+def test_resume_keeps_finished_records_and_never_overwrites(tmp_path, tiny_checkpoint):
+    tiny_checkpoint("tiny_qwen")
+    out = tmp_path / "run"
+    args = ["model=tiny_qwen", "dataset=gsm8k", *FAST, f"output_dir={out}"]
+    assert run_cli(args).returncode == 0
+    first = pd.read_csv(out / "records.csv")
+    # simulate an interrupted run: drop the last record, rerun the same command
+    (out / "records.csv").write_text("\n".join((out / "records.csv").read_text().splitlines()[:-1]) + "\n")
+    res = run_cli(args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    resumed = pd.read_csv(out / "records.csv")
+    assert len(resumed) == 2
+    assert resumed.iloc[0].equals(first.iloc[0])  # the finished record was kept as it was
+    assert resumed.output_digest.tolist() == first.output_digest.tolist()  # per-record seeds: same tokens
+    # a complete folder: nothing runs, nothing is rewritten
+    before = (out / "records.csv").read_bytes()
+    res = run_cli(args)
+    assert res.returncode == 0 and "nothing to run" in res.stdout
+    assert (out / "records.csv").read_bytes() == before
+    # a different configuration pointed at the same folder is refused
+    res = run_cli([*args[:-1], "max_new_tokens=7", f"output_dir={out}"])
+    assert res.returncode != 0 and "different configuration" in res.stderr
+    assert (out / "records.csv").read_bytes() == before
+
+
+def test_missing_real_weights_explains_without_traceback(tmp_path):
+    res = run_cli(["model=dsv2", "memory=low", f"output_dir={tmp_path / 'o'}"], cwd=tmp_path)
+    assert res.returncode != 0
+    assert "initialization/download_models.py" in res.stderr and "tiny_dsv2" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["num_prompts=-1"], "num_prompts"),
+        (["K=0"], "K must be"),
+        (["prefix_tokens=100000"], "context"),
+        (["model=nope"], "Could not find 'model/nope'"),
+        (["dataset=gpqa", "assets_dir=/nonexistent", "allow_hub=false"], "gpqa_main.csv"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, needle, tmp_path):
+    res = run_cli([*args, f"output_dir={tmp_path / 'o'}", "progress=false"], cwd=tmp_path)
+    assert res.returncode != 0
+    assert needle in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "o" / "records.csv").exists()
