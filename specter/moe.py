@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from specter.offload.residency import expert_wise_moe, token_wise_moe
+from specter.offload.residency import expert_wise_moe, group_by_expert, token_wise_moe
 
 SCHEDULES = ("expert", "token")
 
@@ -48,7 +48,7 @@ class MoERuntime:
     draft_forward: Callable[..., torch.Tensor] | None = None  # fused draft kernel
     elb: Any = None  # specter.predict.elb.ExpertLoadBuffer, counted in draft mode
     route_log: RouteLog | None = None  # target routes per window, when metrics need them
-    before_target_layer: Callable[[int, torch.Tensor], None] | None = None  # e.g. oracle prefetch
+    host_compute: bool = False  # target experts straight from the host store (untimed probes only)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -61,8 +61,8 @@ class MoERuntime:
             return self.draft_forward(x, topk_idx, topk_w, self.draft[layer], act_fn)
         if self.route_log is not None:
             self.route_log.add(layer, topk_idx)
-        if self.before_target_layer is not None:
-            self.before_target_layer(layer, topk_idx)
+        if self.host_compute:
+            return host_moe(x, topk_idx, topk_w, layer, self.cache.store, act_fn)
         run = expert_wise_moe if self.schedule == "expert" else token_wise_moe
         return run(x, topk_idx, topk_w, layer, self.cache, act_fn)
 
@@ -83,3 +83,16 @@ class SpecterExperts(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}"
+
+
+def host_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, layer: int, store, act_fn) -> torch.Tensor:
+    """Routed experts computed from host-store views, HF's order; bypasses the device cache."""
+    from specter.offload.residency import _expert_ffn
+    from specter.offload.store import ExpertUID
+
+    final = torch.zeros_like(x)  # [T, H]
+    for e, tok, pos in group_by_expert(topk_idx, store.num_experts):
+        gate_up, down = (w.to(x.device) for w in store.views(ExpertUID(layer, e)))
+        y = _expert_ffn(x[tok], gate_up, down, act_fn) * topk_w[tok, pos, None]  # [n, H]
+        final.index_add_(0, tok, y.to(final.dtype))
+    return final

@@ -156,7 +156,9 @@ def test_prefetch_of_resident_expert_counts_no_load():
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["acquire", "prefetch", "release", "drop", "wait"]), st.integers(0, 5), st.integers(0, 1)),
+    st.tuples(
+        st.sampled_from(["acquire", "prefetch", "release", "drop", "wait"]), st.integers(0, 5), st.integers(0, 1)
+    ),
     min_size=1,
     max_size=40,
 )

@@ -98,7 +98,7 @@ def test_expert_wise_equals_reference_over_grid(E, k):
         cache = ExpertCache(store, link, {LAYER: M}, "cpu", torch.float32, initial_residents={LAYER: residents})
 
         events = []
-        out = expert_wise_moe(x, topk_idx, topk_w, LAYER, cache, F.silu, on_expert=lambda u, hit: events.append((u, hit)))
+        out = expert_wise_moe(x, topk_idx, topk_w, LAYER, cache, F.silu, on_expert=lambda *ev: events.append(ev))
         assert torch.equal(out, ref), f"T={T} M={M}: max err {(out - ref).abs().max()}"
 
         needed = sorted(set(topk_idx.flatten().tolist()))
@@ -128,7 +128,8 @@ def test_expert_wise_low_precision_matches_reference(dtype):
     store = _store(gate_up_all, down_all)
     for T, M in [(1, 1), (5, 3), (17, 4), (17, 16)]:
         x, topk_idx, topk_w = _routing(T, E, k, dtype, seed=T + M)
-        cache = ExpertCache(store, ImmediateLink(), {LAYER: M}, "cpu", dtype, initial_residents={LAYER: _random_residents(E, M, T)})
+        init = {LAYER: _random_residents(E, M, T)}
+        cache = ExpertCache(store, ImmediateLink(), {LAYER: M}, "cpu", dtype, initial_residents=init)
         ref = reference_moe(x, topk_idx, topk_w, gate_up_all, down_all, F.silu)
         out = expert_wise_moe(x, topk_idx, topk_w, LAYER, cache, F.silu)
         torch.testing.assert_close(out, ref)  # dtype-default tolerance
@@ -146,7 +147,8 @@ def test_expert_wise_with_emulated_link_rolls_and_overlaps():
     link = EmulatedLink(20e6, 0.001)  # ~1.3 ms per expert: copies are still in flight while computing
     try:
         for M in (1, 5, 6, 16):
-            cache = ExpertCache(store, link, {LAYER: M}, "cpu", torch.float32, initial_residents={LAYER: _random_residents(E, M, M)})
+            init = {LAYER: _random_residents(E, M, M)}
+            cache = ExpertCache(store, link, {LAYER: M}, "cpu", torch.float32, initial_residents=init)
             out = expert_wise_moe(x, topk_idx, topk_w, LAYER, cache, F.silu)
             assert torch.equal(out, ref)
             assert cache.counters.demand_hits + cache.counters.demand_misses == len(set(topk_idx.flatten().tolist()))
@@ -163,7 +165,8 @@ def test_output_independent_of_cache_state():
     x, topk_idx, topk_w = _routing(T, E, k, torch.float32, seed=3)
     outs = []
     for M, seed in [(1, 0), (3, 1), (4, 2), (30, 3), (60, 4)]:
-        cache = ExpertCache(store, ImmediateLink(), {LAYER: M}, "cpu", torch.float32, initial_residents={LAYER: _random_residents(E, M, seed)})
+        init = {LAYER: _random_residents(E, M, seed)}
+        cache = ExpertCache(store, ImmediateLink(), {LAYER: M}, "cpu", torch.float32, initial_residents=init)
         outs.append(expert_wise_moe(x, topk_idx, topk_w, LAYER, cache, F.silu))
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 

@@ -138,3 +138,72 @@ def runtime_environment(rt) -> dict[str, Any]:
 
 
 register("offload_ar", OffloadAR)
+
+
+class Specter(Method):
+    """Speculative decoding: shared-instance INT4 draft, ELB-driven prefetch, expert-wise verification."""
+
+    name = "specter"
+
+    def __init__(self, cfg: DictConfig, checkpoint: Path):
+        super().__init__(cfg, checkpoint)
+        from specter.draft import build_draft, draft_forward
+        from specter.harness.config import effective_K
+        from specter.runtime import build_runtime
+        from specter.spec.engine import SpeculativeEngine
+
+        self.rt = build_runtime(cfg, checkpoint, speculative=True)
+        self.quant = cfg.method.get("quant", "rtn")
+        calibration = None
+        if self.quant == "gptq":
+            from specter.quant.calibrate import calibration_inputs
+
+            calibration = calibration_inputs(self.rt, cfg)
+        self.draft = build_draft(self.rt.om, self.quant, self.device, self.dtype, calibration=calibration)
+        draft_bytes = sum(d.nbytes for d in self.draft.values())
+        self.rt.enforce_budget(draft_bytes, f"{cfg.model.name} specter at memory={cfg.memory.name} (M={self.rt.resident})")
+        self.rt.moe.draft, self.rt.moe.draft_forward = self.draft, draft_forward
+        self.rt.moe.schedule = cfg.method.get("schedule", "expert")
+        self.K = effective_K(cfg)
+        self.engine = SpeculativeEngine(self.rt, self.K, self.params, prefetch=cfg.method.get("prefetch", "adaptive"))
+        self.verify = bool(cfg.get("verify_lossless")) and self.params.temperature == 0
+
+    def reset(self) -> None:
+        self.rt.cache.reset()
+
+    def generate(self, prompt_ids, max_new_tokens, generator):
+        clock = CommitClock()
+        tokens, stats = self.engine.generate(prompt_ids, max_new_tokens, generator, clock)
+        if self.verify:
+            self._check_lossless(prompt_ids, tokens)
+        return Generation(tokens, clock, stats)
+
+    def _check_lossless(self, prompt_ids, tokens) -> None:
+        """Greedy target-only decoding through the same runtime (bit-identical to target_only)."""
+        self.rt.moe.mode = "target"
+        self.rt.moe.route_log = None
+        reference = generate_autoregressive(self.rt.model, prompt_ids, len(tokens), self.params)
+        self.rt.cache.reset()
+        if reference != tokens:
+            first = next(i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b)
+            raise LosslessViolation(
+                f"speculative output differs from target-only greedy decoding at token {first}: "
+                f"{tokens[first:first + 8]} vs {reference[first:first + 8]}"
+            )
+
+    def static_fields(self) -> dict[str, Any]:
+        return {"K": self.K, "draft_quant": self.quant}
+
+    def environment(self) -> dict[str, Any]:
+        return {**runtime_environment(self.rt), "K": self.K, "draft_quant": self.quant,
+                "draft_bytes": sum(d.nbytes for d in self.draft.values())}
+
+    def close(self) -> None:
+        self.rt.close()
+
+
+class LosslessViolation(AssertionError):
+    """A greedy speculative record differs from target-only decoding."""
+
+
+register("specter", Specter)

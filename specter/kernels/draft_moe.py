@@ -31,7 +31,8 @@ Backends:
               T·A/(T·k) times the needed FLOPs but no gather, sort or scatter, which wins when
               few tokens share few experts (decode, small K). Needs `prepare_int4mm` weights.
   "auto"    : "int4mm" on CPU for bf16 activations when prepared weights are given and
-              T·A is small (see `choose_backend`), else "grouped".
+              T·A is small (see `choose_backend`), else "grouped". torch's CPU INT4 GEMM is
+              only fast for bf16 here (fp32/fp16 take a scalar path, measured 10-50x slower).
 
 A GPU kernel that fuses unpacking into the grouped GEMM (one launch per projection) would
 slot in as another backend; the reference and the tests stay the same.
@@ -73,6 +74,24 @@ def draft_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         gate, up = F.linear(x[tok], w_gu[e]).chunk(2, dim=-1)  # [n, I] each
         y = F.linear(act_fn(gate) * up, w_dn[e])  # [n, H]
         y = y * topk_w[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+def draft_moe_unfused(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: Int4Experts,
+                      down: Int4Experts, act_fn: ActFn) -> torch.Tensor:
+    """Unfused INT4 baseline: HF's per-expert loop, dequantizing each active expert when it is used."""
+    num_experts = gate_up.num_experts
+    out = torch.zeros_like(x)  # [T, H]
+    for e in torch.unique(topk_idx).tolist():
+        if not 0 <= e < num_experts:
+            continue
+        tok, slot = torch.where(topk_idx == e)
+        one = torch.tensor([e], device=x.device)
+        w_gu = dequantize_active(gate_up, one, x.dtype)[0]  # [2I, H]
+        w_dn = dequantize_active(down, one, x.dtype)[0]  # [H, I]
+        gate, up = F.linear(x[tok], w_gu).chunk(2, dim=-1)
+        y = F.linear(act_fn(gate) * up, w_dn) * topk_w[tok, slot, None]  # [n, H]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
 
@@ -309,18 +328,18 @@ def _fused_int4mm(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
 
 # ----------------------------------------------------------------------------- entry point
 
-# int4mm costs grow with T·A (every token meets every active expert); below this the saved
-# sort/gather/dequantize passes win. Measured by scripts/bench_draft_kernel.py on CPU.
-INT4MM_MAX_TOKEN_EXPERTS = 64
+# int4mm spends T·A token-expert products (every token meets every active expert) where the
+# grouped path spends T·k plus sorting, gathering and dequantizing the active experts. Below this
+# T·A the int4mm path wins for bf16 on CPU (scripts/bench_draft_kernel.py; see the CSV in results/bench).
+INT4MM_MAX_TOKEN_EXPERTS = 1024
 
 
 def choose_backend(x: torch.Tensor, topk_idx: torch.Tensor, prepared: Int4mmWeights | None) -> str:
-    if prepared is None or x.device.type != "cpu" or x.dtype != prepared.dtype:
+    """"int4mm" only where it was measured faster: CPU, bf16 (torch's fp16/fp32 CPU int4 GEMM is slow)."""
+    if prepared is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or prepared.dtype != x.dtype:
         return "grouped"
-    t, k = topk_idx.shape
-    # T·A <= T·min(T·k, E): the bound avoids a sync to count the active experts
-    bound = t * min(t * k, prepared.gate_up.shape[0])
-    return "int4mm" if bound <= INT4MM_MAX_TOKEN_EXPERTS else "grouped"
+    num_active = int(torch.unique(topk_idx).numel())
+    return "int4mm" if x.shape[0] * num_active <= INT4MM_MAX_TOKEN_EXPERTS else "grouped"
 
 
 def draft_moe_fused(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: Int4Experts,

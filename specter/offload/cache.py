@@ -216,6 +216,10 @@ class ExpertCache:
     def layers(self) -> list[int]:
         return sorted(self._layers)
 
+    def initial_residents(self) -> dict[int, set[int]]:
+        """Per layer, the experts `reset()` restores (the state every measured record starts from)."""
+        return {layer: set(experts) for layer, experts in self._initial.items()}
+
     def capacity(self, layer: int) -> int:
         return self._layer(layer).policy.capacity
 

@@ -198,6 +198,7 @@ class HostExpertStore:
         """Raise if any expert part was never written (names the first few offenders)."""
         missing = self.missing()
         if missing:
-            shown = ", ".join(f"layer {u.layer} expert {u.expert} ({'/'.join(p)})" for u, p in list(missing.items())[:8])
+            first = list(missing.items())[:8]
+            shown = ", ".join(f"layer {u.layer} expert {u.expert} ({'/'.join(p)})" for u, p in first)
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise RuntimeError(f"host expert store incomplete: {len(missing)} experts missing parts: {shown}{more}")

@@ -1,0 +1,82 @@
+"""The INT4 draft: routed experts quantized from the host store, resident on the device.
+
+Everything else of the draft *is* the target (the same tensor objects), so the draft costs only
+its packed expert weights. `quant=rtn` (round-to-nearest, fast, for tests) or `quant=gptq`
+(GPTQ on calibration prompts, cached beside the model with a checksum); records say which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specter.kernels.draft_moe import DequantWorkspace, Int4mmWeights, draft_moe_fused, prepare_int4mm
+from specter.quant.int4 import Int4ExpertLayer, default_group_size, quantize_rtn
+
+QUANT_METHODS = ("rtn", "gptq")
+
+
+@dataclass
+class DraftExperts:
+    """One MoE layer's draft experts, resident on the device in exactly one INT4 layout.
+
+    On the CPU the packed GPTQ-style tensors are repacked once into torch's int4mm layout and
+    then dropped (the draft decodes one token per step, the int4mm regime); elsewhere the packed
+    layout feeds the grouped dequantize-and-multiply path.
+    """
+
+    packed: Int4ExpertLayer | None
+    prepared: Int4mmWeights | None
+    method: str = "rtn"
+    workspace: DequantWorkspace | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return (self.packed.nbytes if self.packed is not None else 0) + (
+            self.prepared.nbytes if self.prepared is not None else 0)
+
+
+def draft_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, d: DraftExperts, act_fn) -> torch.Tensor:
+    """The fused multi-expert draft MoE for one layer: x [T,H] -> [T,H]."""
+    if d.packed is None:
+        return draft_moe_fused(x, topk_idx, topk_w, None, None, act_fn, backend="int4mm", prepared=d.prepared)
+    return draft_moe_fused(x, topk_idx, topk_w, d.packed.gate_up, d.packed.down, act_fn,
+                           prepared=d.prepared, workspace=d.workspace)
+
+
+def layer_weights(store, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack a layer's host-store experts: gate_up [E,2I,H], down [E,H,I] (host memory)."""
+    from specter.offload.store import ExpertUID
+
+    views = [store.views(ExpertUID(layer, e)) for e in range(store.num_experts)]
+    return torch.stack([v[0] for v in views]), torch.stack([v[1] for v in views])
+
+
+def quantize_layer_rtn(gate_up: torch.Tensor, down: torch.Tensor, group_size: int = 128) -> Int4ExpertLayer:
+    gs_gu = default_group_size(gate_up.shape[-1], group_size)
+    gs_dn = default_group_size(down.shape[-1], group_size)
+    return Int4ExpertLayer(quantize_rtn(gate_up, gs_gu), quantize_rtn(down, gs_dn))
+
+
+def build_draft(om, quant: str, device: torch.device, dtype: torch.dtype, group_size: int = 128,
+                calibration: dict[int, Any] | None = None) -> dict[int, DraftExperts]:
+    """Quantize every MoE layer's routed experts and place them on the device."""
+    if quant not in QUANT_METHODS:
+        raise ValueError(f"unknown draft quantization {quant!r}; choose one of {QUANT_METHODS}")
+    draft = {}
+    for layer in om.moe_layers:
+        gate_up, down = layer_weights(om.store, layer)
+        if quant == "rtn":
+            packed = quantize_layer_rtn(gate_up, down, group_size)
+        else:
+            from specter.quant.gptq import gptq_quantize_experts
+
+            packed = gptq_quantize_experts(gate_up, down, calibration[layer], om.experts[layer].act_fn, group_size)
+        packed = Int4ExpertLayer(packed.gate_up.to(device), packed.down.to(device))
+        if device.type == "cpu":
+            draft[layer] = DraftExperts(None, prepare_int4mm(packed.gate_up, packed.down, dtype), quant)
+        else:
+            draft[layer] = DraftExperts(packed, None, quant)
+    return draft

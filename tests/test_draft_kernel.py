@@ -1,0 +1,196 @@
+"""Fused INT4 draft MoE vs the dequantized reference (and the reference vs transformers' own loop)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specter.kernels.draft_moe import (DequantWorkspace, choose_backend, dequantize_active, draft_moe_fused,
+                                       draft_moe_reference, draft_moe_unfused, grouped_linear, prepare_int4mm,
+                                       sort_routes)
+from specter.quant.int4 import Int4Experts, dequantize, quantize_rtn
+
+# Tolerances (output vs reference): elementwise rtol with an atol relative to the output's scale,
+# plus a relative L2 bound on the whole output.
+TOL = {  # dtype: (rtol, atol as a fraction of max|ref|, rel-L2)
+    torch.float32: (1e-4, 1e-5, 1e-5),
+    torch.float16: (2e-2, 2e-2, 1.5e-2),
+    torch.bfloat16: (2e-2, 2e-2, 1.5e-2),
+}
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    rtol, atol_frac, rel_l2 = TOL[ref.dtype]
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    o, r = out.float(), ref.float()
+    scale = float(r.abs().max()) if r.numel() else 1.0
+    torch.testing.assert_close(o, r, rtol=rtol, atol=atol_frac * scale)
+    if r.numel():
+        assert float((o - r).norm() / r.norm().clamp_min(1e-12)) < rel_l2
+
+
+@functools.lru_cache(maxsize=None)
+def layer(e: int, h: int, i: int) -> tuple[Int4Experts, Int4Experts]:
+    g = torch.Generator().manual_seed(1000 * e + h + i)
+    gate_up = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    down = torch.randn(e, h, i, generator=g) / i**0.5
+    return quantize_rtn(gate_up, 128), quantize_rtn(down, 128)
+
+
+def routes(t: int, e: int, k: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w, idx = torch.softmax(torch.randn(t, e, generator=g), dim=-1).topk(k, dim=-1)  # [T, k]
+    return w.to(dtype), idx
+
+
+def inputs(t: int, h: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+GRID_T = [1, 3, 16, 64]
+GRID_E = [4, 16, 60, 64]
+GRID_K = [1, 2, 4, 6]
+GRID_HI = [(128, 128), (256, 128), (128, 256)]
+
+
+@pytest.mark.parametrize("h,i", GRID_HI)
+@pytest.mark.parametrize("e", GRID_E)
+@pytest.mark.parametrize("k", GRID_K)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_grouped_matches_reference(h: int, i: int, e: int, k: int, dtype: torch.dtype) -> None:
+    if k > e:
+        pytest.skip("top-k larger than the expert count")
+    gu, dn = layer(e, h, i)
+    ws = DequantWorkspace()  # shared across T: buffers grow and are reused
+    for t in GRID_T:
+        x = inputs(t, h, dtype, t)
+        w, idx = routes(t, e, k, 7 * t + k, dtype)
+        ref = draft_moe_reference(x, idx, w, gu, dn, F.silu)
+        assert_matches(draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", workspace=ws), ref)
+
+
+@pytest.mark.parametrize("h,i", GRID_HI)
+@pytest.mark.parametrize("e,k", [(4, 4), (16, 2), (60, 4), (64, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_other_paths_match_reference(h: int, i: int, e: int, k: int, dtype: torch.dtype) -> None:
+    """Padded-bmm grouped GEMM, the CPU int4mm backend, auto, and the unfused loop."""
+    gu, dn = layer(e, h, i)
+    prepared = prepare_int4mm(gu, dn, dtype)
+    for t in [1, 5, 64]:
+        x = inputs(t, h, dtype, 100 + t)
+        w, idx = routes(t, e, k, 200 + t, dtype)
+        ref = draft_moe_reference(x, idx, w, gu, dn, F.silu)
+        assert_matches(draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", matmul="bmm"), ref)
+        assert_matches(draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="int4mm", prepared=prepared), ref)
+        assert_matches(draft_moe_fused(x, idx, w, gu, dn, F.silu, prepared=prepared), ref)
+        assert_matches(draft_moe_unfused(x, idx, w, gu, dn, F.silu), ref)
+
+
+def test_reference_equals_transformers_eager_loop() -> None:
+    """The reference is HF's Qwen2MoeExperts loop run on the dequantized weights, bit for bit."""
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+
+    e, h, i, k, t = 16, 128, 256, 4, 9
+    gu, dn = layer(e, h, i)
+    cfg = Qwen2MoeConfig(num_experts=e, hidden_size=h, moe_intermediate_size=i, hidden_act="silu")
+    experts = Qwen2MoeExperts(cfg)
+    experts.gate_up_proj.data = dequantize(gu, torch.float32)
+    experts.down_proj.data = dequantize(dn, torch.float32)
+    x = inputs(t, h, torch.float32, 3)
+    w, idx = routes(t, e, k, 4, torch.float32)
+    with torch.no_grad():
+        theirs = experts(x, idx, w)
+    assert torch.equal(draft_moe_reference(x, idx, w, gu, dn, F.silu), theirs)
+
+
+def test_routing_math_against_dense_einsum() -> None:
+    """out[t] = Σ_j w[t,j] · W_down[e_tj] (act(W_gate[e_tj] x_t) · W_up[e_tj] x_t), computed without any loop."""
+    e, h, i, k, t = 16, 128, 128, 3, 11
+    gu, dn = layer(e, h, i)
+    x = inputs(t, h, torch.float64, 5)
+    w, idx = routes(t, e, k, 6, torch.float64)
+    w_gu, w_dn = dequantize(gu, torch.float64)[idx], dequantize(dn, torch.float64)[idx]  # [T, k, 2I, H], [T, k, H, I]
+    gate, up = torch.einsum("tkoh,th->tko", w_gu, x).chunk(2, dim=-1)  # [T, k, I]
+    expected = torch.einsum("tk,tkhi,tki->th", w, w_dn, F.silu(gate) * up)  # [T, H]
+    for out in (draft_moe_reference(x, idx, w, gu, dn, F.silu),
+                draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped")):
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_masked_routes_and_empty_batch() -> None:
+    """Expert id E (HF's "no expert" marker) contributes nothing; T=0 returns an empty output."""
+    e, h, i = 16, 128, 128
+    gu, dn = layer(e, h, i)
+    x = inputs(6, h, torch.float32, 8)
+    w, idx = routes(6, e, 4, 9, torch.float32)
+    masked = idx.clone()
+    masked[0, 1] = e
+    masked[3, :] = e
+    keep = (masked < e).float()
+    ref = draft_moe_reference(x, masked, w, gu, dn, F.silu)
+    assert torch.equal(ref[3], torch.zeros(h))
+    # dropping a route equals giving it zero weight
+    assert_matches(ref, draft_moe_reference(x, idx, w * keep, gu, dn, F.silu))
+    prepared = prepare_int4mm(gu, dn, torch.float32)
+    for backend in ("grouped", "int4mm"):
+        assert_matches(draft_moe_fused(x, masked, w, gu, dn, F.silu, backend=backend, prepared=prepared), ref)
+        empty = draft_moe_fused(x[:0], idx[:0], w[:0], gu, dn, F.silu, backend=backend, prepared=prepared)
+        assert empty.shape == (0, h)
+
+
+def test_sort_routes_groups_by_ascending_expert() -> None:
+    idx = torch.tensor([[3, 1], [1, 0], [3, 2]])
+    r = sort_routes(idx, 5)
+    assert r.active.tolist() == [0, 1, 2, 3] and r.counts.tolist() == [1, 2, 1, 2]
+    assert r.offsets.tolist() == [1, 3, 4, 6]
+    assert idx.reshape(-1)[r.order].tolist() == [0, 1, 1, 2, 3, 3]
+    assert r.tokens.tolist() == [1, 0, 1, 2, 0, 2]  # stable: token order kept within an expert
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dequantize_active_matches_full(dtype: torch.dtype) -> None:
+    gu, _ = layer(16, 128, 256)
+    experts = torch.tensor([9, 2, 15])
+    out = torch.full((5, gu.out_features, gu.in_features), float("nan"), dtype=dtype)
+    got = dequantize_active(gu, experts, dtype, out=out[:3])
+    assert torch.equal(got, dequantize(gu, dtype)[experts])
+
+
+@pytest.mark.parametrize("matmul", ["grouped_mm", "bmm"])
+def test_grouped_linear(matmul: str) -> None:
+    g = torch.Generator().manual_seed(10)
+    counts = torch.tensor([2, 1, 5])
+    xs = torch.randn(8, 32, generator=g)
+    w = torch.randn(3, 16, 32, generator=g)
+    expected = torch.cat([xs[0:2] @ w[0].t(), xs[2:3] @ w[1].t(), xs[3:8] @ w[2].t()])
+    got = grouped_linear(xs, w, counts, counts.cumsum(0).to(torch.int32), matmul)
+    torch.testing.assert_close(got, expected)
+
+
+def test_choose_backend() -> None:
+    gu, dn = layer(64, 128, 128)
+    prepared = prepare_int4mm(gu, dn, torch.bfloat16)
+    _, idx = routes(1, 64, 6, 11, torch.float32)
+    assert choose_backend(torch.zeros(1, 128, dtype=torch.bfloat16), idx, prepared) == "int4mm"
+    assert choose_backend(torch.zeros(1, 128, dtype=torch.bfloat16), idx, None) == "grouped"
+    assert choose_backend(torch.zeros(1, 128), idx, prepared_fp32 := prepare_int4mm(gu, dn, torch.float32)) == "grouped"
+    assert prepared_fp32.nbytes > 0
+    _, idx64 = routes(64, 64, 6, 12, torch.float32)
+    assert choose_backend(torch.zeros(64, 128, dtype=torch.bfloat16), idx64, prepared) == "grouped"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_on_cuda_matches_cpu_reference(dtype: torch.dtype) -> None:
+    e, h, i, k = 64, 256, 128, 6
+    gu, dn = layer(e, h, i)
+    gu_d, dn_d = gu.to("cuda"), dn.to("cuda")
+    for t in [1, 17, 64]:
+        x = inputs(t, h, dtype, 300 + t)
+        w, idx = routes(t, e, k, 400 + t, dtype)
+        ref = draft_moe_reference(x, idx, w, gu, dn, F.silu)
+        out = draft_moe_fused(x.cuda(), idx.cuda(), w.cuda(), gu_d, dn_d, F.silu)
+        assert_matches(out.cpu(), ref)
