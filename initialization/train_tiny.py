@@ -53,7 +53,7 @@ def train(name: str, minutes: float, seq_len: int = 128, batch: int = 8, lr: flo
     src = tiny.ensure_tiny(name)
     out = tiny.tiny_dir(name, trained=True)
     tokenizer = AutoTokenizer.from_pretrained(src)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, experts_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, experts_implementation="grouped_mm")  # fast fused training path
     model.config.output_router_logits = True  # load-balancing loss keeps experts in use
     model.train()
     data = token_stream(tokenizer)
@@ -76,7 +76,7 @@ def train(name: str, minutes: float, seq_len: int = 128, batch: int = 8, lr: flo
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.detach().item())
         step += 1
         if step % 25 == 0:
             print(f"{name} step {step} loss {sum(losses[-25:]) / 25:.3f}", flush=True)

@@ -5,6 +5,7 @@
 
 For every (H, I, E, k, T) it times, after warm-up, the median of `--reps` calls of:
   reference  dequantize all experts + HF eager loop        (draft_moe_reference)
+  unfused    HF eager loop, dequantizing each active expert on use (draft_moe_unfused)
   grouped    sort + dequantize active + grouped GEMM       (draft_moe_fused, backend="grouped")
   int4mm     dense over active experts, torch CPU INT4 GEMM (backend="int4mm", prepared weights)
   auto       whatever draft_moe_fused picks by default
@@ -28,23 +29,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specter.kernels.draft_moe import (DequantWorkspace, draft_moe_fused, draft_moe_reference,  # noqa: E402
-                                       prepare_int4mm)
+                                       draft_moe_unfused, moe_eager_loop, prepare_int4mm)
 from specter.quant.int4 import quantize_rtn  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-METHODS = ("reference", "grouped", "int4mm", "auto", "fp_loop")
-
-
-def fp_loop(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
-    """transformers' eager experts loop on dense weights gu [E, 2I, H], dn [E, H, I]."""
-    out = torch.zeros_like(x)
-    mask = F.one_hot(idx, num_classes=gu.shape[0]).permute(2, 1, 0)  # [E, k, T]
-    for e in (mask.sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist():
-        slot, tok = torch.where(mask[e])
-        gate, up = F.linear(x[tok], gu[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, dn[e]) * w[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
+METHODS = ("reference", "unfused", "grouped", "int4mm", "auto", "fp_loop")
 
 
 def median_ms(fn: Callable[[], object], warmup: int, reps: int, device: torch.device) -> float:
@@ -81,7 +70,8 @@ def bench_case(h: int, i: int, e: int, k: int, t: int, dtype: torch.dtype, devic
         "reference": lambda: draft_moe_reference(x, idx, w, gu, dn, F.silu),
         "grouped": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", workspace=ws),
         "auto": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, prepared=prepared, workspace=ws),
-        "fp_loop": lambda: fp_loop(x, idx, w, gu_d, dn_d),
+        "unfused": lambda: draft_moe_unfused(x, idx, w, gu, dn, F.silu),
+        "fp_loop": lambda: moe_eager_loop(x, idx, w, gu_d, dn_d, F.silu),
     }
     if prepared is not None:
         fns["int4mm"] = lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="int4mm", prepared=prepared)

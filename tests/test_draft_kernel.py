@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from specter.kernels.draft_moe import (DequantWorkspace, choose_backend, dequantize_active, draft_moe_fused,
-                                       draft_moe_reference, draft_moe_unfused, grouped_linear, prepare_int4mm,
-                                       sort_routes)
+                                       draft_moe_reference, draft_moe_unfused, grouped_linear, moe_eager_loop,
+                                       prepare_int4mm, sort_routes)
 from specter.quant.int4 import Int4Experts, dequantize, quantize_rtn
 
 # Tolerances (output vs reference): elementwise rtol with an atol relative to the output's scale,
@@ -39,6 +39,17 @@ def layer(e: int, h: int, i: int) -> tuple[Int4Experts, Int4Experts]:
     return quantize_rtn(gate_up, 128), quantize_rtn(down, 128)
 
 
+@functools.lru_cache(maxsize=None)
+def dequantized(e: int, h: int, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gu, dn = layer(e, h, i)
+    return dequantize(gu, dtype), dequantize(dn, dtype)
+
+
+def reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, e: int, h: int, i: int) -> torch.Tensor:
+    """`draft_moe_reference` with the dequantization cached across calls (it is tested on its own below)."""
+    return moe_eager_loop(x, idx, w, *dequantized(e, h, i, x.dtype), F.silu)
+
+
 def routes(t: int, e: int, k: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w, idx = torch.softmax(torch.randn(t, e, generator=g), dim=-1).topk(k, dim=-1)  # [T, k]
@@ -55,24 +66,31 @@ GRID_K = [1, 2, 4, 6]
 GRID_HI = [(128, 128), (256, 128), (128, 256)]
 
 
-@pytest.mark.parametrize("h,i", GRID_HI)
-@pytest.mark.parametrize("e", GRID_E)
-@pytest.mark.parametrize("k", GRID_K)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_grouped_matches_reference(h: int, i: int, e: int, k: int, dtype: torch.dtype) -> None:
-    if k > e:
-        pytest.skip("top-k larger than the expert count")
+def _grid_case(h: int, i: int, e: int, k: int, dtype: torch.dtype, tokens: list[int]) -> None:
     gu, dn = layer(e, h, i)
     ws = DequantWorkspace()  # shared across T: buffers grow and are reused
-    for t in GRID_T:
+    for t in tokens:
         x = inputs(t, h, dtype, t)
         w, idx = routes(t, e, k, 7 * t + k, dtype)
-        ref = draft_moe_reference(x, idx, w, gu, dn, F.silu)
+        ref = reference(x, idx, w, e, h, i)
         assert_matches(draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", workspace=ws), ref)
 
 
 @pytest.mark.parametrize("h,i", GRID_HI)
-@pytest.mark.parametrize("e,k", [(4, 4), (16, 2), (60, 4), (64, 6)])
+@pytest.mark.parametrize("e", GRID_E)
+@pytest.mark.parametrize("k", GRID_K)
+def test_fused_grouped_matches_reference_fp32(h: int, i: int, e: int, k: int) -> None:
+    """The full grid: T in {1, 3, 16, 64} x E x k x (H, I)."""
+    _grid_case(h, i, e, k, torch.float32, GRID_T)
+
+
+@pytest.mark.parametrize("h,i", GRID_HI)
+@pytest.mark.parametrize("e,k", [(4, 1), (16, 4), (60, 4), (64, 6)])
+def test_fused_grouped_matches_reference_fp16(h: int, i: int, e: int, k: int) -> None:
+    _grid_case(h, i, e, k, torch.float16, GRID_T)
+
+
+@pytest.mark.parametrize("h,i,e,k", [(128, 128, 4, 4), (256, 128, 16, 2), (128, 256, 64, 6)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_other_paths_match_reference(h: int, i: int, e: int, k: int, dtype: torch.dtype) -> None:
     """Padded-bmm grouped GEMM, the CPU int4mm backend, auto, and the unfused loop."""
@@ -81,7 +99,7 @@ def test_other_paths_match_reference(h: int, i: int, e: int, k: int, dtype: torc
     for t in [1, 5, 64]:
         x = inputs(t, h, dtype, 100 + t)
         w, idx = routes(t, e, k, 200 + t, dtype)
-        ref = draft_moe_reference(x, idx, w, gu, dn, F.silu)
+        ref = reference(x, idx, w, e, h, i)
         assert_matches(draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", matmul="bmm"), ref)
         assert_matches(draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="int4mm", prepared=prepared), ref)
         assert_matches(draft_moe_fused(x, idx, w, gu, dn, F.silu, prepared=prepared), ref)
@@ -104,6 +122,7 @@ def test_reference_equals_transformers_eager_loop() -> None:
     with torch.no_grad():
         theirs = experts(x, idx, w)
     assert torch.equal(draft_moe_reference(x, idx, w, gu, dn, F.silu), theirs)
+    assert torch.equal(reference(x, idx, w, e, h, i), theirs)
 
 
 def test_routing_math_against_dense_einsum() -> None:

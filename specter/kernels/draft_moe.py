@@ -57,12 +57,10 @@ GroupedMatmul = Literal["auto", "grouped_mm", "bmm"]
 # ----------------------------------------------------------------------------- reference
 
 
-def draft_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: Int4Experts,
-                        down: Int4Experts, act_fn: ActFn) -> torch.Tensor:
-    """Slow reference: dequantize every expert to x.dtype, then HF's eager per-expert loop."""
-    num_experts = gate_up.num_experts
-    w_gu = dequantize(gate_up, x.dtype)  # [E, 2I, H]
-    w_dn = dequantize(down, x.dtype)  # [E, H, I]
+def moe_eager_loop(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gu: torch.Tensor,
+                   w_dn: torch.Tensor, act_fn: ActFn) -> torch.Tensor:
+    """transformers' eager experts loop on dense weights w_gu [E, 2I, H], w_dn [E, H, I] (same dtype as x)."""
+    num_experts = w_gu.shape[0]
     out = torch.zeros_like(x)  # [T, H]
     mask = F.one_hot(topk_idx.long().clamp(0, num_experts), num_classes=num_experts + 1)  # [T, k, E+1]
     mask = mask.permute(2, 1, 0)  # [E+1, k, T]
@@ -76,6 +74,12 @@ def draft_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
         y = y * topk_w[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
+
+
+def draft_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: Int4Experts,
+                        down: Int4Experts, act_fn: ActFn) -> torch.Tensor:
+    """Slow reference: dequantize every expert to x.dtype, then HF's eager per-expert loop."""
+    return moe_eager_loop(x, topk_idx, topk_w, dequantize(gate_up, x.dtype), dequantize(down, x.dtype), act_fn)
 
 
 def draft_moe_unfused(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: Int4Experts,
@@ -135,7 +139,7 @@ def dequantize_active(packed: Int4Experts, experts: torch.Tensor, dtype: torch.d
 
 
 def _grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return False
     if device.type == "cpu":
         return True
