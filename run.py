@@ -21,9 +21,10 @@ from specter.harness.errors import USER_ERRORS, report
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from specter.harness.run import run
+    from specter.spec.profile_k import profile_k
 
     try:
-        run(cfg)
+        profile_k(cfg) if cfg.get("k_sweep") else run(cfg)
     except USER_ERRORS as err:
         report(err)
         sys.exit(2)

@@ -78,8 +78,8 @@ def train(name: str, minutes: float, seq_len: int = 128, batch: int = 8, lr: flo
         opt.step()
         losses.append(loss.detach().item())
         step += 1
-        if step % 25 == 0:
-            print(f"{name} step {step} loss {sum(losses[-25:]) / 25:.3f}", flush=True)
+        if step % 25 == 0 or step < 4:
+            print(f"{name} step {step} loss {sum(losses[-25:]) / len(losses[-25:]):.3f}", flush=True)
     model.config.output_router_logits = False
     model.eval()
     after = repetition_stats(model, tokenizer, prompts)

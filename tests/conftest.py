@@ -16,6 +16,12 @@ FIXTURES = REPO / "tests" / "fixtures"
 TINY_MODELS = ("tiny_dsv2", "tiny_qwen", "tiny_phi")
 
 
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to oversubscription
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint():
     """name -> folder of the tiny checkpoint (built once into $SPECTER_HOME)."""

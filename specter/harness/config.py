@@ -70,6 +70,8 @@ def validate(cfg: DictConfig) -> None:
 def effective_K(cfg: DictConfig) -> int:
     """Speculation depth: the top-level `K=` override, else the model config's K."""
     K: Any = cfg.get("K")
+    if K is None and cfg.get("k_profile"):
+        K = _profiled_K(cfg)
     if K is None:
         K = cfg.model.get("K", 1)
     _require(isinstance(K, int) and not isinstance(K, bool) and K >= 1, f"K must be an integer >= 1, got {K!r}")
@@ -92,3 +94,19 @@ def resident_experts(cfg: DictConfig) -> int:
         f"resident_experts={M} exceeds {cfg.model.name}'s {cfg.model.num_experts} routed experts",
     )
     return M
+
+
+def _profiled_K(cfg: DictConfig) -> int:
+    import json
+    from pathlib import Path
+
+    path = Path(cfg.k_profile)
+    if not path.exists():
+        raise ConfigError(f"k_profile={path} does not exist; run experiment=k_sweep first")
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"k_profile={path} is not valid JSON ({err})") from None
+    if profile.get("model") != cfg.model.name:
+        raise ConfigError(f"k_profile={path} was measured for {profile.get('model')!r}, not {cfg.model.name!r}")
+    return profile["K"]
