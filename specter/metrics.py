@@ -18,15 +18,21 @@ class CommitClock:
     start_s: float = 0.0
     stamps: list[float] = field(default_factory=list)  # perf_counter at each commit
     counts: list[int] = field(default_factory=list)  # tokens made final by that commit
+    excluded_s: float = 0.0  # untimed work inside the run (e.g. an oracle's probe), taken out of every later stamp
 
     def start(self) -> None:
         self.start_s = time.perf_counter()
         self.stamps.clear()
         self.counts.clear()
+        self.excluded_s = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Remove `seconds` of untimed work from the clock."""
+        self.excluded_s += seconds
 
     def commit(self, num_tokens: int) -> None:
         if num_tokens > 0:
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(time.perf_counter() - self.excluded_s)
             self.counts.append(num_tokens)
 
     @property

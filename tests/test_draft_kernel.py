@@ -211,6 +211,9 @@ def test_choose_backend() -> None:
     assert prepared_fp32.nbytes > 0
     _, idx64 = routes(64, 64, 6, 12, torch.float32)
     assert choose_backend(torch.zeros(64, 128, dtype=torch.bfloat16), idx64, prepared) == "grouped"
+    small_groups = quantize_rtn(torch.randn(2, 64, 128), 16)
+    with pytest.raises(ValueError, match="group sizes"):
+        prepare_int4mm(small_groups, small_groups, torch.bfloat16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

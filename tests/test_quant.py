@@ -61,7 +61,7 @@ def test_pack_rejects_out_of_range() -> None:
 
 
 @pytest.mark.parametrize("e,n,k,gs", [(1, 16, 128, 128), (4, 256, 128, 128), (3, 128, 256, 128), (2, 32, 256, 64)])
-@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_rtn_round_trip_error_bound(e: int, n: int, k: int, gs: int, scale_dtype: torch.dtype) -> None:
     w = torch.randn(e, n, k, generator=_gen(2)) * torch.rand(e, n, 1, generator=_gen(3)) * 3
     w[0, 0, :gs] = 0.0  # an all-zero group must come back exactly
@@ -182,6 +182,10 @@ def test_builtin_gptq_agrees_with_gptqmodel() -> None:
     theirs = quantize_linear(w, x, 128, engine="gptqmodel", scale_dtype=torch.float32)
     assert float((unpack_codes(theirs.qweight[0]) == ours).float().mean()) > 0.99
     torch.testing.assert_close(theirs.scales[0], ours_scales, rtol=1e-5, atol=1e-7)
+    # gptqmodel's group-aware reordering keeps groups contiguous, so it maps onto the same format
+    gar = quantize_linear(w, x, 128, engine="gptqmodel", act_group_aware=True)
+    rtn = quantize_rtn(w.unsqueeze(0), 128)
+    assert output_error(w.unsqueeze(0), gar, x) < output_error(w.unsqueeze(0), rtn, x)
 
 
 @pytest.mark.parametrize("engine", ["gptqmodel", "builtin"])

@@ -27,12 +27,15 @@ Backends:
                   h = x @ [W_gu[a0]; W_gu[a1]; ...]^T          # [T, A·2I], one call
                   z[t, a] = w_{t,a} · act(gate)·up  (0 if t is not routed to a)  # [T, A·I]
                   out = z @ [W_down[a0] | W_down[a1] | ...]^T    # [T, H], one call
-              The expert sum happens inside the second GEMM (fp32 accumulation). It spends
-              T·A/(T·k) times the needed FLOPs but no gather, sort or scatter, which wins when
-              few tokens share few experts (decode, small K). Needs `prepare_int4mm` weights.
+              The expert sum happens inside the second GEMM (fp32 accumulation). It spends A/k
+              times the needed FLOPs but no gather, sort, scatter or dequantization pass, which
+              wins when few tokens share few experts (decode, small K). Uses weights converted
+              once by `prepare_int4mm` (group sizes 32..256, output dims divisible by 32).
   "auto"    : "int4mm" on CPU for bf16 activations when prepared weights are given and
               T·A is small (see `choose_backend`), else "grouped". torch's CPU INT4 GEMM is
-              only fast for bf16 here (fp32/fp16 take a scalar path, measured 10-50x slower).
+              only fast for bf16 on this AVX2 build (fp32/fp16 measured 4-40x slower).
+
+Both backends make one host sync per call (the number of active experts sizes the buffers).
 
 A GPU kernel that fuses unpacking into the grouped GEMM (one launch per projection) would
 slot in as another backend; the reference and the tests stay the same.
@@ -47,7 +50,7 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 
-from specter.quant.int4 import PACK, ZERO_POINT, Int4Experts, dequantize, unpack_codes
+from specter.quant.int4 import ZERO_POINT, Int4Experts, dequantize, unpack_codes
 
 ActFn = Callable[[torch.Tensor], torch.Tensor]
 Backend = Literal["auto", "grouped", "int4mm"]
@@ -286,6 +289,9 @@ def prepare_int4mm(gate_up: Int4Experts, down: Int4Experts, dtype: torch.dtype =
     """Convert a layer's INT4 experts to torch's CPU int4 GEMM layout (once, at load time)."""
     bn = _int4pack_block_n()
     hidden, inter = down.out_features, down.in_features
+    for p in (gate_up, down):
+        if p.group_size not in (32, 64, 128, 256):
+            raise ValueError(f"torch's CPU int4 GEMM supports group sizes 32..256, not {p.group_size}")
     if hidden % bn or gate_up.out_features % bn:
         raise ValueError(f"int4mm needs output dims divisible by {bn}, got H={hidden}, 2I={gate_up.out_features}")
     gu, gu_sz = _to_int4pack(gate_up, dtype)
@@ -334,7 +340,8 @@ def _fused_int4mm(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
 
 # int4mm spends T·A token-expert products (every token meets every active expert) where the
 # grouped path spends T·k plus sorting, gathering and dequantizing the active experts. Below this
-# T·A the int4mm path wins for bf16 on CPU (scripts/bench_draft_kernel.py; see the CSV in results/bench).
+# T·A the int4mm path was measured faster for bf16 on CPU (scripts/bench_draft_kernel.py: H=I=128 and
+# H=I=512, E=64; the two paths cross between T·A ≈ 1000 and 2000).
 INT4MM_MAX_TOKEN_EXPERTS = 1024
 
 

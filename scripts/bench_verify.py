@@ -1,0 +1,91 @@
+"""Verification of K tokens: expert-wise vs token-wise MoE schedule through the offloaded cache.
+
+For each tiny model and memory tier: prefill a 16-token prompt, then time one target forward of
+K+1 tokens (the verification pass) with the expert cache reset to its initial residents before
+every repetition, once grouping tokens per expert (resident experts first, misses as they land)
+and once token by token. Prints medians and the speedup, writes a CSV.
+
+    python scripts/bench_verify.py                     # emulated link, K in 4 8 16
+    python scripts/bench_verify.py --models tiny_dsv2 --K 16 --reps 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench_methods import compose  # noqa: E402
+
+
+def time_verification(rt, prompt: torch.Tensor, window: torch.Tensor, schedule: str, reps: int) -> dict:
+    from specter.spec.state import SequenceState
+
+    rt.moe.mode, rt.moe.schedule = "target", schedule
+    times, loads = [], []
+    with torch.inference_mode():
+        for _ in range(reps):
+            state = SequenceState.new(rt.model)
+            rt.model(input_ids=prompt, cache=state.cache)
+            state.committed_kv = prompt.shape[1]
+            rt.cache.reset()  # same starting residents every repetition, outside timing
+            t = time.perf_counter()
+            rt.model(input_ids=window, cache=state.cache)
+            times.append(time.perf_counter() - t)
+            loads.append(rt.cache.snapshot_counters()["loads"])
+    return {"ms": statistics.median(times) * 1e3, "loads": statistics.median(loads)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["tiny_dsv2", "tiny_qwen", "tiny_phi"])
+    ap.add_argument("--memory", nargs="+", default=["high", "low"])
+    ap.add_argument("--K", nargs="+", type=int, default=[4, 8, 16])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--hardware", default="emulated")
+    ap.add_argument("--untrained", action="store_true")
+    ap.add_argument("--out", default=str(REPO / "results" / "bench" / "verify_schedule.csv"))
+    args = ap.parse_args(argv)
+
+    from specter.models.registry import resolve_checkpoint
+    from specter.runtime import build_runtime
+
+    rows = []
+    for model in args.models:
+        for memory in args.memory:
+            cfg = compose([f"model={model}", f"memory={memory}", "method=offload_ar", f"hardware={args.hardware}",
+                           f"model.trained={not args.untrained}"])
+            torch.set_num_threads(int(cfg.hardware.threads or torch.get_num_threads()))
+            rt = build_runtime(cfg, resolve_checkpoint(cfg.model))
+            g = torch.Generator().manual_seed(0)
+            vocab = rt.model.config.vocab_size
+            prompt = torch.randint(2, vocab, (1, 16), generator=g)
+            for K in args.K:
+                window = torch.randint(2, vocab, (1, K + 1), generator=g)
+                ew = time_verification(rt, prompt, window, "expert", args.reps)
+                tw = time_verification(rt, prompt, window, "token", args.reps)
+                rows.append({"model": model, "memory": memory, "K": K, "M": rt.resident,
+                             "expert_wise_ms": ew["ms"], "token_wise_ms": tw["ms"],
+                             "speedup": tw["ms"] / ew["ms"], "expert_wise_loads": ew["loads"],
+                             "token_wise_loads": tw["loads"]})
+                print(rows[-1], flush=True)
+            rt.close()
+    table = pd.DataFrame(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out, index=False)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
