@@ -216,6 +216,7 @@ def test_choose_backend() -> None:
         prepare_int4mm(small_groups, small_groups, torch.bfloat16)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fused_on_cuda_matches_cpu_reference(dtype: torch.dtype) -> None:

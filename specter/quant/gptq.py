@@ -48,9 +48,9 @@ def gptq_reference(w: torch.Tensor, x: torch.Tensor, group_size: int = 128, damp
     W[:, dead] = 0.0
     H.diagonal().add_(damp_percent * torch.mean(torch.diag(H)))
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)  # [K, K]
-    codes = torch.zeros(n_out, k, dtype=torch.uint8)
-    scales = torch.zeros(n_out, k // group_size)
-    scale = torch.ones(n_out)
+    codes = torch.zeros(n_out, k, dtype=torch.uint8, device=W.device)
+    scales = torch.zeros(n_out, k // group_size, device=W.device)
+    scale = torch.ones(n_out, device=W.device)
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
         W1 = W[:, b0:b1].clone()  # [N, B]
@@ -91,7 +91,7 @@ def _gptqmodel_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_pe
     if not torch.equal(g_idx.long(), expected) or not bool((zero == ZERO_POINT).all()):
         raise RuntimeError("gptqmodel returned a non-symmetric or reordered quantization")
     codes = codes_from_dequantized(q, scale, group_size)
-    return codes.to(torch.uint8).cpu(), scale.float().cpu()
+    return codes.to(torch.uint8).to(w.device), scale.float().to(w.device)
 
 
 def _pack_one(codes: torch.Tensor, scales: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> Int4Experts:
@@ -107,6 +107,7 @@ def quantize_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_perc
                     engine: Engine = "gptqmodel", act_group_aware: bool = False,
                     scale_dtype: torch.dtype = torch.float16) -> Int4Experts:
     """GPTQ of one linear w [N, K] from inputs x [n, K] -> a one-expert `Int4Experts`."""
+    x = x.to(w.device)
     if engine == "gptqmodel":
         codes, scales = _gptqmodel_linear(w, x, group_size, damp_percent, act_group_aware)
     elif engine == "builtin":
