@@ -8,8 +8,6 @@ its packed expert weights. `quant=rtn` (round-to-nearest, fast, for tests) or `q
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from specter.kernels.draft_moe import DequantWorkspace, Int4mmWeights, draft_moe_fused, prepare_int4mm
@@ -61,19 +59,18 @@ def quantize_layer_rtn(gate_up: torch.Tensor, down: torch.Tensor, group_size: in
 
 
 def build_draft(om, quant: str, device: torch.device, dtype: torch.dtype, group_size: int = 128,
-                calibration: dict[int, Any] | None = None) -> dict[int, DraftExperts]:
-    """Quantize every MoE layer's routed experts and place them on the device."""
+                packed_layers: dict[int, Int4ExpertLayer] | None = None) -> dict[int, DraftExperts]:
+    """Place every MoE layer's INT4 experts on the device: given (e.g. GPTQ) or quantized here (RTN)."""
     if quant not in QUANT_METHODS:
         raise ValueError(f"unknown draft quantization {quant!r}; choose one of {QUANT_METHODS}")
+    if quant == "gptq" and packed_layers is None:
+        raise ValueError("a GPTQ draft needs its packed layers (see specter.calibration.gptq_draft)")
     draft = {}
     for layer in om.moe_layers:
-        gate_up, down = layer_weights(om.store, layer)
-        if quant == "rtn":
-            packed = quantize_layer_rtn(gate_up, down, group_size)
+        if packed_layers is not None:
+            packed = packed_layers[layer]
         else:
-            from specter.quant.gptq import gptq_quantize_experts
-
-            packed = gptq_quantize_experts(gate_up, down, calibration[layer], om.experts[layer].act_fn, group_size)
+            packed = quantize_layer_rtn(*layer_weights(om.store, layer), group_size)
         packed = Int4ExpertLayer(packed.gate_up.to(device), packed.down.to(device))
         if device.type == "cpu":
             draft[layer] = DraftExperts(None, prepare_int4mm(packed.gate_up, packed.down, dtype), quant)

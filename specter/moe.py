@@ -49,6 +49,7 @@ class MoERuntime:
     elb: Any = None  # specter.predict.elb.ExpertLoadBuffer, counted in draft mode
     route_log: RouteLog | None = None  # target routes per window, when metrics need them
     host_compute: bool = False  # target experts straight from the host store (untimed probes only)
+    capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # calibration hook
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -61,6 +62,8 @@ class MoERuntime:
             return self.draft_forward(x, topk_idx, topk_w, self.draft[layer], act_fn)
         if self.route_log is not None:
             self.route_log.add(layer, topk_idx)
+        if self.capture is not None:
+            self.capture(layer, x, topk_idx)
         if self.host_compute:
             return host_moe(x, topk_idx, topk_w, layer, self.cache.store, act_fn)
         run = expert_wise_moe if self.schedule == "expert" else token_wise_moe

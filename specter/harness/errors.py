@@ -12,10 +12,12 @@ class BudgetError(ValueError):
     """The configuration does not fit the memory tier's device budget."""
 
 
+from specter.calibration import CorruptDraft  # noqa: E402
 from specter.harness.datasets import DatasetFormatError, DatasetUnavailable  # noqa: E402
+from specter.models.loading import WeightError  # noqa: E402
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, ModelUnavailable, BudgetError, DatasetUnavailable, DatasetFormatError,
+    ConfigError, ModelUnavailable, BudgetError, DatasetUnavailable, DatasetFormatError, CorruptDraft, WeightError,
 )
 
 

@@ -154,12 +154,14 @@ class Specter(Method):
 
         self.rt = build_runtime(cfg, checkpoint, speculative=True)
         self.quant = cfg.method.get("quant", "rtn")
-        calibration = None
+        packed, self.draft_info = None, {}
         if self.quant == "gptq":
-            from specter.quant.calibrate import calibration_inputs
+            from transformers import AutoTokenizer
 
-            calibration = calibration_inputs(self.rt, cfg)
-        self.draft = build_draft(self.rt.om, self.quant, self.device, self.dtype, calibration=calibration)
+            from specter.calibration import gptq_draft
+
+            packed, self.draft_info = gptq_draft(self.rt, cfg, AutoTokenizer.from_pretrained(checkpoint))
+        self.draft = build_draft(self.rt.om, self.quant, self.device, self.dtype, packed_layers=packed)
         draft_bytes = sum(d.nbytes for d in self.draft.values())
         self.rt.enforce_budget(draft_bytes, f"{cfg.model.name} specter at memory={cfg.memory.name} (M={self.rt.resident})")
         self.rt.moe.draft, self.rt.moe.draft_forward = self.draft, draft_forward
@@ -196,7 +198,7 @@ class Specter(Method):
 
     def environment(self) -> dict[str, Any]:
         return {**runtime_environment(self.rt), "K": self.K, "draft_quant": self.quant,
-                "draft_bytes": sum(d.nbytes for d in self.draft.values())}
+                "draft_bytes": sum(d.nbytes for d in self.draft.values()), **self.draft_info}
 
     def close(self) -> None:
         self.rt.close()
