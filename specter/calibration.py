@@ -53,7 +53,10 @@ def calibration_batches(cfg: DictConfig, tokenizer, device, n_prompts: int, max_
     datasets = expand_datasets(cfg.dataset.name)
     per = max(1, n_prompts // len(datasets))
     for ds in datasets:
-        texts = load_prompts(ds, cfg.num_prompts + per, cfg.assets_dir, allow_hub=cfg.allow_hub)
+        try:
+            texts = load_prompts(ds, cfg.num_prompts + per, cfg.assets_dir, allow_hub=cfg.allow_hub)
+        except ValueError:  # a small dataset: calibrate on the evaluated prompts themselves
+            texts = load_prompts(ds, cfg.num_prompts, cfg.assets_dir, allow_hub=cfg.allow_hub)
         texts = texts[cfg.num_prompts:] or texts  # prefer prompts that are not evaluated
         for text in texts[:per]:
             ids = tokenizer(text, add_special_tokens=False).input_ids[:max_tokens]

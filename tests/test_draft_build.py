@@ -1,0 +1,71 @@
+"""GPTQ draft building: cached beside the model, verified by checksum; K profiling end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import FIXTURES, compose
+
+
+@pytest.fixture
+def specter_home(tmp_path, monkeypatch, tiny_checkpoint):
+    tiny_checkpoint("tiny_phi")  # built into the shared cache first; drafts go to a fresh home
+    monkeypatch.setenv("SPECTER_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_gptq_draft_is_cached_and_checksummed(tiny_checkpoint, specter_home):
+    from transformers import AutoTokenizer
+
+    from specter.calibration import CorruptDraft, gptq_draft, load_draft
+    from specter.runtime import build_runtime
+
+    ck = tiny_checkpoint("tiny_phi")
+    cfg = compose(["model=tiny_phi", "method=specter", "method.quant=gptq", "method.calibration_prompts=4",
+                   f"assets_dir={FIXTURES / 'datasets'}", "dataset=gsm8k", "num_prompts=1"])
+    rt = build_runtime(cfg, ck, speculative=True)
+    tok = AutoTokenizer.from_pretrained(ck)
+    try:
+        layers, info = gptq_draft(rt, cfg, tok)
+        assert not info["cached"] and info["calibration_prompts"] >= 1
+        assert all(d.gate_up.method == "gptq" for d in layers.values())
+        again, info2 = gptq_draft(rt, cfg, tok)
+        assert info2["cached"] and info2["draft_archive"] == info["draft_archive"]
+        for layer in layers:
+            assert torch.equal(again[layer].gate_up.qweight, layers[layer].gate_up.qweight)
+        archive = info["draft_archive"]
+        data = bytearray(open(archive, "rb").read())
+        data[-5] ^= 0xFF
+        open(archive, "wb").write(bytes(data))
+        with pytest.raises(CorruptDraft, match="checksum"):
+            load_draft(__import__("pathlib").Path(archive))
+    finally:
+        rt.close()
+
+
+def test_k_sweep_picks_min_tpot_and_feeds_specter(tiny_checkpoint, tmp_path):
+    from specter.harness.config import effective_K
+    from specter.spec.profile_k import profile_k
+
+    tiny_checkpoint("tiny_qwen")
+    out = tmp_path / "sweep"
+    cfg = compose(["experiment=k_sweep", "model=tiny_qwen", "dataset=humaneval", "num_prompts=1", "repeats=1",
+                   "max_new_tokens=8", "warmup_tokens=0", "progress=false", "k_sweep.values=[1,3]",
+                   f"output_dir={out}"])
+    profile_k(cfg)
+    table = pd.read_csv(out / "k_sweep.csv")
+    profile = json.loads((out / "k_profile.json").read_text())
+    assert list(table.K) == [1, 3]
+    assert profile["K"] == int(table.loc[table.mean_tpot_ms.idxmin(), "K"])
+    for K in (1, 3):
+        rec = pd.read_csv(out / f"K={K}" / "records.csv")
+        assert (rec.K == K).all() and rec.drafted_tokens.gt(0).all()
+    assert effective_K(compose(["model=tiny_qwen", f"k_profile={out / 'k_profile.json'}"])) == profile["K"]
+    from specter.harness.config import ConfigError
+
+    with pytest.raises(ConfigError, match="measured for"):
+        effective_K(compose(["model=tiny_dsv2", f"k_profile={out / 'k_profile.json'}"]))
