@@ -1,0 +1,52 @@
+"""Build (or verify) a model's GPTQ INT4 draft ahead of time, with the run's own configuration.
+
+    python initialization/build_draft.py model=dsv2 hardware=cuda          # real model, on a GPU
+    python initialization/build_draft.py model=tiny_qwen model.trained=true
+
+Calibration prompts come from the configured datasets (method.calibration_prompts of them). The
+packed draft is cached under $SPECTER_HOME/drafts/<model>/ with a sha256 file; runs with
+method=specter method.quant=gptq load it from there (and refuse a corrupt archive).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer
+
+    from specter.calibration import gptq_draft
+    from specter.harness.errors import USER_ERRORS, report
+    from specter.models.registry import resolve_checkpoint
+    from specter.runtime import build_runtime
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["method=specter", "method.quant=gptq", *args])
+    try:
+        checkpoint = resolve_checkpoint(cfg.model)
+        rt = build_runtime(cfg, checkpoint, speculative=True)
+        try:
+            layers, info = gptq_draft(rt, cfg, AutoTokenizer.from_pretrained(checkpoint))
+        finally:
+            rt.close()
+    except USER_ERRORS as err:
+        report(err)
+        return 2
+    nbytes = sum(d.nbytes for d in layers.values())
+    print(f"{cfg.model.name}: GPTQ draft {'verified in' if info['cached'] else 'written to'} "
+          f"{info['draft_archive']} ({nbytes / 2**20:.1f} MB packed, {len(layers)} MoE layers)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
