@@ -21,15 +21,6 @@ TOL = {  # dtype: (rtol, atol as a fraction of max|ref|, rel-L2)
 }
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops gain nothing from threads, and on a shared machine OpenMP waits dominate; restore after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     rtol, atol_frac, rel_l2 = TOL[ref.dtype]
     assert out.shape == ref.shape and out.dtype == ref.dtype

@@ -19,14 +19,6 @@ H, I = 8, 4
 LAYERS = [1, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: intra-op threads only add contention on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _filled_store(E: int, layers=LAYERS) -> HostExpertStore:
     store = HostExpertStore(ExpertLayout(H, I, torch.float32), list(layers), E, pin_memory=False)

@@ -23,14 +23,6 @@ H, I = 16, 8
 LAYER = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: intra-op threads only add contention on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _weights(E: int, dtype: torch.dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

@@ -16,15 +16,6 @@ from specter.quant.int4 import (Int4Experts, default_group_size, dequantize, fro
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops gain nothing from threads, and on a shared machine OpenMP waits dominate; restore after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

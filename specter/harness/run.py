@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from specter.harness.config import effective_K, resident_experts, validate
+from specter.harness.config import resident_experts, validate
 from specter.harness.datasets import expand_datasets, load_prompts
 from specter.harness.methods import build_method
 from specter.harness.output import open_output_dir, write_environment

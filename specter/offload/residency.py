@@ -102,11 +102,18 @@ def expert_wise_moe(
     submit_waiting()
     outputs: dict[int, torch.Tensor] = {}
     while ready or in_flight:
-        if ready:
+        # Hits whose slot is ready go first; a hit still in flight (a late prefetch) does not hold
+        # back a miss that has already landed. Otherwise wait on the oldest copy (FIFO link).
+        i = next((i for i, h in enumerate(ready) if h.ready.done()), None)
+        if i is not None:
+            handle = ready[i]
+            del ready[i]
+        elif (j := next((j for j, h in enumerate(in_flight) if h.ready.done()), None)) is not None:
+            handle = in_flight.pop(j)
+        elif ready:
             handle = ready.popleft()
-        else:  # the first miss to land; with one FIFO copy engine that is the oldest
-            i = next((i for i, h in enumerate(in_flight) if h.ready.done()), 0)
-            handle = in_flight.pop(i)
+        else:
+            handle = in_flight.pop(0)
         cache.wait(handle)
         tok, pos = by_expert[handle.uid.expert]
         gate_up, down = cache.views(handle)

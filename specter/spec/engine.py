@@ -79,7 +79,8 @@ class SpeculativeEngine:
         state = SequenceState.new(self.model)
         trace = WindowTrace()
         self.route_log = RouteLog()
-        link0 = (self.rt.link.bytes_copied, self.rt.link.busy_seconds)
+        link = self.rt.link
+        link0 = (link.bytes_copied, link.busy_seconds)
         clock.start()
         logits = self._target(prompt_ids, state)[-1]  # prefill: [V]
         state.start(prompt_ids.shape[1], next_token(logits, self.params, generator))
@@ -93,6 +94,7 @@ class SpeculativeEngine:
                 state.commit([], tok)
                 clock.commit(1)
                 continue
+            window0 = (link.bytes_copied, link.busy_seconds)
             drafts, q = self._draft(state, last, K, generator, trace)  # [K], [K, V] | None
             state.discard_extension()  # drop the draft scratch
             target_logits = self._target(torch.cat([last[0], drafts])[None], state)  # [K+1, V]
@@ -103,11 +105,10 @@ class SpeculativeEngine:
             clock.commit(a + 1)
             trace.drafted.append(K)
             trace.accepted.append(a)
-        bytes_moved = self.rt.link.bytes_copied - link0[0]
-        busy = self.rt.link.busy_seconds - link0[1]
-        if bytes_moved and busy > 0:
-            self.planner.observe_transfer(bytes_moved, busy)
-        return state.tokens[:max_new_tokens], self._stats(trace, busy)
+            moved, busy = link.bytes_copied - window0[0], link.busy_seconds - window0[1]
+            if moved and busy > 0:  # the planner's bandwidth estimate follows the real link
+                self.planner.observe_transfer(moved, busy)
+        return state.tokens[:max_new_tokens], self._stats(trace, link.busy_seconds - link0[1])
 
     # ------------------------------------------------------------------------------ draft
     def _draft(self, state: SequenceState, last: torch.Tensor, K: int, generator, trace: WindowTrace):
