@@ -109,7 +109,7 @@ def calibrated_link(cfg: DictConfig, checkpoint: Path, expert_bytes: int, device
     ratio = float(cfg.model.load_ratio)
     key = f"{cfg.model.name}{'-trained' if cfg.model.get('trained') else ''}-{hw.dtype}-t{torch.get_num_threads()}"
     path = specter_home() / "calibration" / f"{key}.json"
-    if path.exists():
+    if path.exists() and not hw.get("recalibrate"):
         per_layer = json.loads(path.read_text())["per_layer_step_s"]
     else:
         per_layer = measure_layer_step(checkpoint, device, dtype)
@@ -118,6 +118,9 @@ def calibrated_link(cfg: DictConfig, checkpoint: Path, expert_bytes: int, device
     load_s = ratio * per_layer
     latency = float(hw.latency_us) * 1e-6 if hw.get("latency_us") is not None else 0.05 * load_s
     bandwidth = expert_bytes / max(load_s - latency, 1e-9)
+    print(f"emulated link for {key}: layer step {per_layer * 1e3:.3f} ms x load_ratio {ratio} -> expert load "
+          f"{load_s * 1e3:.3f} ms ({expert_bytes / 1e6:.2f} MB at {bandwidth / 1e9:.3f} GB/s + {latency * 1e6:.0f} us)"
+          f" [calibration: {path}]", flush=True)
     return LinkParams("emulated", bandwidth, latency, per_layer, load_s, ratio, calibrated=True)
 
 
