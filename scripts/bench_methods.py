@@ -78,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
             for dataset in args.datasets.split(","):
                 for method, extra in variants:
                     name = variant_name(method, extra)
+                    folder = f"{model}-{memory}-{dataset}-{name.replace('[', '-').rstrip(']')}"
                     overrides = [
                         f"model={model}", f"memory={memory}", f"method={method}", f"dataset={dataset}",
                         f"hardware={args.hardware}", f"num_prompts={args.num_prompts}", f"repeats={args.repeats}",
                         f"max_new_tokens={args.max_new_tokens}", f"model.trained={not args.untrained}",
-                        f"output_dir={out_root / 'runs' / f'{model}-{memory}-{dataset}-{name}'}",
+                        f"output_dir={out_root / 'runs' / folder}",
                         *[f"{k}={v}" for k, v in extra.items()],
                     ]
                     if method == "target_only":

@@ -136,22 +136,24 @@ class SpeculativeEngine:
         return drafts, (torch.stack(qs) if qs[0] is not None else None)
 
     def _boundary(self, step: int) -> None:
-        plan = self.elb.snapshot_plan(self.capacity)  # one D2H copy
+        """Snapshot the ELB, pin predicted residents, prefetch the planner's incremental batch."""
+        everything = {layer: self.rt.om.num_experts for layer in self.layers}
+        ranked = self.elb.snapshot_plan(everything)  # every counted expert, by count; one D2H copy
+        plan = {layer: experts[: self.capacity[layer]] for layer, experts in ranked.items()}  # top-M
+        # A resident expert the draft routed to (count >= 1) is a likely verification hit: pin it, so
+        # the batch below can only replace experts without predicted demand.
+        for layer, experts in ranked.items():
+            resident, pending = self.cache.resident(layer), self.cache.pending_prefetches(layer)
+            for expert in experts:
+                if expert in resident and expert not in pending:
+                    self.cache.prefetch(ExpertUID(layer, expert))
+                    self._window_predicted[layer].add(expert)
         resident = {layer: self.cache.resident(layer) for layer in self.layers}
         pending = {layer: self.cache.pending_prefetches(layer) for layer in self.layers}
         decision = self.planner.on_boundary(step, plan, resident, pending, self.capacity)
         for layer, expert in decision.batch:
-            self.cache.prefetch(ExpertUID(layer, expert))
-        self._protect_claimed()
-
-    def _protect_claimed(self) -> None:
-        """Experts a plan claimed that were already resident stay put until verification."""
-        for layer, experts in self.planner.claimed.items():
-            pending = self.cache.pending_prefetches(layer)
-            for expert in experts:
-                if expert not in pending and expert in self.cache.resident(layer):
-                    self.cache.prefetch(ExpertUID(layer, expert))
-            self._window_predicted[layer] |= set(experts)
+            if self.cache.prefetch(ExpertUID(layer, expert)) is not None:  # None: every slot pinned
+                self._window_predicted[layer].add(expert)
 
     def _oracle_prefetch(self, state: SequenceState, last: torch.Tensor, K: int) -> None:
         """Ablation upper bound: learn the target's true routes for this window with an untimed
