@@ -28,6 +28,8 @@ PALETTE = ["#3b6ea8", "#e1812c", "#3a923a", "#c03d3e", "#9372b2", "#845b53", "#d
 def load_records(results: Path) -> pd.DataFrame:
     frames = []
     for path in sorted(results.rglob("records.csv")):
+        if path.parent.name.startswith("K="):  # K-sweep points belong to k_sweep.png only
+            continue
         df = pd.read_csv(path)
         if df.empty:
             continue

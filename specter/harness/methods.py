@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from specter.decode.autoregressive import generate_autoregressive
 from specter.metrics import CommitClock
+from specter.predict.oracle import oracle_bytes
 from specter.spec.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -114,9 +115,17 @@ class OffloadAR(Method):
         self.rt.cache.reset()  # initial residents, counters cleared; outside timing
 
     def generate(self, prompt_ids, max_new_tokens, generator):
+        from specter.moe import RouteLog
+
         clock = CommitClock()
-        tokens = generate_autoregressive(self.rt.model, prompt_ids, max_new_tokens, self.params, generator, clock)
-        return Generation(tokens, clock, io_stats(self.rt.cache))
+        log = self.rt.moe.route_log = RouteLog()
+        hook = self.rt.model.register_forward_pre_hook(lambda *_: log.begin_window())  # one window per step
+        try:
+            tokens = generate_autoregressive(self.rt.model, prompt_ids, max_new_tokens, self.params, generator, clock)
+        finally:
+            hook.remove()
+            self.rt.moe.route_log = None
+        return Generation(tokens, clock, {**io_stats(self.rt.cache), "oracle_h2d_bytes": oracle_bytes(self.rt, log)})
 
     def environment(self) -> dict[str, Any]:
         return runtime_environment(self.rt)

@@ -102,3 +102,11 @@ def prefetch_precision_recall(predicted: AbstractSet[int], actual: AbstractSet[i
     precision = hit / len(predicted) if predicted else 1.0
     recall = hit / len(actual) if actual else 1.0
     return precision, recall
+
+
+def oracle_bytes(rt, log) -> int:
+    """Fewest H2D bytes any M-slot policy could have moved for the target's actual per-window experts."""
+    layers = rt.om.moe_layers
+    per_layer = {layer: [w.get(layer, set()) for w in log.windows] for layer in layers}
+    capacity = {layer: rt.cache.capacity(layer) for layer in layers}
+    return oracle_h2d_bytes(per_layer, capacity, rt.cache.initial_residents(), rt.om.store.nbytes_per_expert)

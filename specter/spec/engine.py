@@ -24,7 +24,7 @@ from specter.metrics import CommitClock
 from specter.moe import RouteLog
 from specter.offload.store import ExpertUID
 from specter.predict.elb import ExpertLoadBuffer
-from specter.predict.oracle import oracle_h2d_bytes
+from specter.predict.oracle import oracle_bytes
 from specter.predict.planner import PlannerConfig, make_policy
 from specter.spec.sampling import SamplingParams, draft_next, verify_window
 from specter.spec.state import SequenceState
@@ -195,9 +195,7 @@ class SpeculativeEngine:
     def _stats(self, trace: WindowTrace, link_busy_s: float) -> dict[str, Any]:
         c = self.cache.snapshot_counters()
         drafted, accepted = sum(trace.drafted), sum(trace.accepted)
-        per_layer = {layer: [w.get(layer, set()) for w in self.route_log.windows] for layer in self.layers}
-        oracle = oracle_h2d_bytes(per_layer, self.capacity, self.cache.initial_residents(),
-                                  self.rt.om.store.nbytes_per_expert)
+        oracle = oracle_bytes(self.rt, self.route_log)
         return {
             "K": self.K,
             "accepted_tokens": accepted,
