@@ -54,7 +54,7 @@ def test_k_sweep_picks_min_tpot_and_feeds_specter(tiny_checkpoint, tmp_path):
     tiny_checkpoint("tiny_qwen")
     out = tmp_path / "sweep"
     cfg = compose(["experiment=k_sweep", "model=tiny_qwen", "dataset=humaneval", "num_prompts=1", "repeats=1",
-                   "max_new_tokens=8", "warmup_tokens=0", "progress=false", "k_sweep.values=[1,3]",
+                   "max_new_tokens=8", "warmup_tokens=0", "progress=false", "k_sweep.values=[1,3]", "method.quant=rtn",
                    f"output_dir={out}"])
     profile_k(cfg)
     table = pd.read_csv(out / "k_sweep.csv")

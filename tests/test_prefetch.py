@@ -21,7 +21,7 @@ def test_every_policy_keeps_greedy_output(name, memory, tiny_checkpoint):
     prompt = torch.tensor([[40, 7, 912, 3, 55, 18]])
     ref = generate_autoregressive(load_full_model(ck, torch.float32, torch.device("cpu")), prompt, 20, SamplingParams())
     for policy in POLICIES:
-        cfg = compose([f"model={name}", f"memory={memory}", "method=specter", f"method.prefetch={policy}", "K=6",
+        cfg = compose([f"model={name}", f"memory={memory}", "method=specter", "method.quant=rtn", f"method.prefetch={policy}", "K=6",
                        "hardware=emulated", "hardware.bandwidth_gbps=0.2", "hardware.latency_us=20"])
         method = build_method(cfg, ck)
         try:
@@ -40,7 +40,7 @@ def test_every_policy_keeps_greedy_output(name, memory, tiny_checkpoint):
 
 
 def test_adaptive_planner_walks_its_phases(tiny_checkpoint):
-    cfg = compose(["model=tiny_dsv2", "memory=low", "method=specter", "K=16", "hardware=emulated",
+    cfg = compose(["model=tiny_dsv2", "memory=low", "method=specter", "method.quant=rtn", "K=16", "hardware=emulated",
                    "hardware.bandwidth_gbps=0.05", "hardware.latency_us=50"])
     method = build_method(cfg, tiny_checkpoint("tiny_dsv2"))
     try:

@@ -18,7 +18,7 @@ KS = (1, 2, 4, 8, 16, 32)
 
 
 def _method(name, memory, *extra):
-    return compose([f"model={name}", f"memory={memory}", "method=specter", "hardware=emulated",
+    return compose([f"model={name}", f"memory={memory}", "method=specter", "method.quant=rtn", "hardware=emulated",
                     "hardware.bandwidth_gbps=2", "hardware.latency_us=5", *extra])
 
 
