@@ -6,7 +6,7 @@ library's sources (the tokenizer's corpus) give varied text and routing. The res
 beside the random checkpoint as `<name>-trained` with `specter_trained.json` (loss curve ends,
 greedy repetition statistics).
 
-    python initialization/train_tiny.py                 # all three, ~3 minutes each on 2 cores
+    python initialization/train_tiny.py                 # all three, 5 minutes each
     python initialization/train_tiny.py tiny_qwen --minutes 1
 """
 
@@ -103,7 +103,7 @@ def train(name: str, minutes: float, seq_len: int = 128, batch: int = 8, lr: flo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", default=sorted(tiny.TINY_SPECS), help="tiny models (default: all)")
-    ap.add_argument("--minutes", type=float, default=3.0, help="training wall time per model")
+    ap.add_argument("--minutes", type=float, default=5.0, help="training wall time per model")
     args = ap.parse_args(argv)
     for name in args.names:
         train(name, args.minutes)
