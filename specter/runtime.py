@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,6 @@ class Runtime:
     footprint: Footprint
     budget_bytes: int
     resident: int  # M
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model(self) -> torch.nn.Module:

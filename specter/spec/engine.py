@@ -164,12 +164,10 @@ class SpeculativeEngine:
         probe = SequenceState(state.cache, list(state.tokens), state.committed_kv)
         counts: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         tok = last
-        ids = [last[0]]
         with _host_mode(self.moe):
-            for _ in range(K):  # draft proxy: target argmax continuation (what greedy verification accepts)
-                nxt = self._forward(tok, probe, "target")[-1].argmax().view(1, 1)
-                ids.append(nxt[0])
-                tok = nxt
+            for _ in range(K + 1):  # the K+1 verified positions of a fully accepted greedy window
+                self.route_log.begin_window()  # one window per position: counts = positions using an expert
+                tok = self._forward(tok, probe, "target")[-1].argmax().view(1, 1)
         probe.discard_extension()
         for window in self.route_log.windows:
             for layer, experts in window.items():
