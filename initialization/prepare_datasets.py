@@ -57,7 +57,7 @@ class PrepareError(Exception):
     """A dataset could not be put in place; the message is for the user as is."""
 
 
-# ---------------------------------------------------------------- writing helpers
+# ---------------------------------------------------------------- writing files
 
 
 def _atomic_write(dest: Path, write: Callable[[Path], None]) -> None:
