@@ -84,13 +84,7 @@ def test_fused_grouped_matches_reference(h: int, i: int, e: int, k: int, dtype: 
     """The full grid: T in {1, 3, 16, 64} x E x k x (H, I), fp32 and fp16."""
     if k > e:
         pytest.skip("top-k larger than the expert count")
-    gu, dn = layer(e, h, i)
-    ws = DequantWorkspace()  # shared across T: buffers grow and are reused
-    for t in GRID_T:
-        x = inputs(t, h, dtype, t)
-        w, idx = routes(t, e, k, 7 * t + k, dtype)
-        ref = reference(x, idx, w, e, h, i)
-        assert_matches(draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", workspace=ws), ref)
+    _grid_case(h, i, e, k, dtype, GRID_T)
 
 
 @pytest.mark.parametrize("h,i,e,k", [(128, 128, 4, 4), (256, 128, 16, 2), (128, 256, 64, 6)])

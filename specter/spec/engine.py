@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,14 +212,11 @@ class SpeculativeEngine:
         }
 
 
-class _host_mode:
+@contextmanager
+def _host_mode(moe):
     """Compute target experts straight from the host store (no cache traffic, no counters)."""
-
-    def __init__(self, moe):
-        self.moe = moe
-
-    def __enter__(self):
-        self.moe.host_compute = True
-
-    def __exit__(self, *exc):
-        self.moe.host_compute = False
+    moe.host_compute = True
+    try:
+        yield
+    finally:
+        moe.host_compute = False
