@@ -16,15 +16,17 @@ import hydra
 from omegaconf import DictConfig
 
 from specter.harness.errors import USER_ERRORS, report
+from specter.harness.schema import register_schemas
+
+register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from specter.harness.run import run
-    from specter.spec.profile_k import profile_k
+    from specter.harness.experiments import run_experiment
 
     try:
-        profile_k(cfg) if cfg.get("k_sweep") else run(cfg)
+        run_experiment(cfg)
     except USER_ERRORS as err:
         report(err)
         sys.exit(2)

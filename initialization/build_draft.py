@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,21 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
         return 0
-    from hydra import compose, initialize_config_dir
-    from transformers import AutoTokenizer
-
-    from specter.calibration import gptq_draft
+    from specter.harness.compose import compose
     from specter.harness.errors import USER_ERRORS, report
-    from specter.models.registry import resolve_checkpoint
-    from specter.runtime import build_runtime
+    from specter.harness.runtime import build_runtime, gptq_draft_for, model_checkpoint
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["method=specter", "method.quant=gptq", *args])
+    cfg = compose(["method=specter", "method.quant=gptq", *args])
     try:
-        checkpoint = resolve_checkpoint(cfg.model)
-        rt = build_runtime(cfg, checkpoint, speculative=True)
+        checkpoint = model_checkpoint(cfg)
+        rt = build_runtime(cfg, checkpoint)
         try:
-            layers, info = gptq_draft(rt, cfg, AutoTokenizer.from_pretrained(checkpoint))
+            layers, info = gptq_draft_for(cfg, rt, checkpoint)
         finally:
             rt.close()
     except USER_ERRORS as err:

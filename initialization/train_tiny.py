@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specter.models import tiny  # noqa: E402
 

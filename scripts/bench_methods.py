@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from specter.harness.compose import compose
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 SUITES = {
     "offload": [("target_only", {}), ("offload_ar", {})],
@@ -36,14 +37,6 @@ SUITES = {
 
 def variant_name(method: str, extra: dict) -> str:
     return method if method != "specter" else f"specter[{extra.get('method.prefetch', 'adaptive')}]"
-
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,8 +110,8 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     table = g.agg(
         records=("output_digest", "size"),
         tpot_ms=("tpot_ms", "median"),
-        tpot_fair_ms=("tpot_fair_ms", "median"),
-        acceptance=("acceptance_rate", "mean"),
+        
+        acceptance=("accepted_fraction", "mean"),
         mean_accepted_len=("mean_accepted_len", "mean"),
         h2d_mb_per_token=("h2d_mb_per_token", "mean"),
         prefetch_recall=("prefetch_recall", "mean"),
@@ -129,7 +122,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     oracle = g.oracle_h2d_bytes.sum(min_count=1).values
     table["h2d_over_oracle"] = [b / o if o and o == o and o > 0 else float("nan") for b, o in zip(bytes_, oracle)]
     base = table[table.variant == "offload_ar"].set_index(["model", "memory"])
-    for col, name in (("tpot_ms", "speedup_vs_offload_ar"), ("tpot_fair_ms", "fair_speedup_vs_offload_ar")):
+    for col, name in (("tpot_ms", "speedup_vs_offload_ar"),):
         table[name] = [
             base.loc[(m, mem), col] / t if (m, mem) in base.index else float("nan")
             for m, mem, t in zip(table.model, table.memory, table[col])

@@ -21,17 +21,16 @@ import pandas as pd
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from bench_methods import compose  # noqa: E402
+from specter.harness.compose import compose
 
 
 def time_verification(rt, prompt: torch.Tensor, window: torch.Tensor, schedule: str, reps: int) -> dict:
-    from specter.spec.state import SequenceState
+    from specter.speculative.state import SequenceState
 
-    rt.moe.mode, rt.moe.schedule = "target", schedule
+    rt.moe.schedule = schedule
     times, loads = [], []
-    with torch.inference_mode():
+    with torch.inference_mode(), rt.moe.mode("target"):
         for _ in range(reps):
             state = SequenceState.new(rt.model)
             rt.model(input_ids=prompt, cache=state.cache)
@@ -56,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "bench" / "verify_schedule.csv"))
     args = ap.parse_args(argv)
 
-    from specter.models.registry import resolve_checkpoint
-    from specter.runtime import build_runtime
+    from specter.harness.runtime import build_runtime, model_checkpoint
 
     rows = []
     for model in args.models:
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = compose([f"model={model}", f"memory={memory}", "method=offload_ar", f"hardware={args.hardware}",
                            f"model.trained={not args.untrained}"])
             torch.set_num_threads(int(cfg.hardware.threads or torch.get_num_threads()))
-            rt = build_runtime(cfg, resolve_checkpoint(cfg.model))
+            rt = build_runtime(cfg, model_checkpoint(cfg))
             g = torch.Generator().manual_seed(0)
             vocab = rt.model.config.vocab_size
             prompt = torch.randint(2, vocab, (1, 16), generator=g)

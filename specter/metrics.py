@@ -1,14 +1,16 @@
 """Commit clock and per-record latency metrics.
 
-TPOT follows the paper: (last commit − first commit) / (N − 1) over N generated tokens. With
-speculative decoding the first commit already holds several tokens, which biases that figure low,
-so `tpot_fair` divides the same span by the tokens committed *after* the first commit.
+TPOT follows the paper: (last commit − first commit) / (N − 1) over N generated tokens. In the
+paper's artifact the first commit could hold several tokens, which biased that figure low; here
+every method's first commit is the prefill's single token, so the paper's formula is already the
+fair one and there is no second TPOT column.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -40,16 +42,35 @@ class CommitClock:
         return sum(self.counts)
 
     def latency(self) -> dict[str, float | None]:
-        """ttft_ms, e2e_ms, tpot_ms (paper) and tpot_fair_ms; None where undefined."""
+        """ttft_ms, e2e_ms, tpot_ms (the paper's definition); None where undefined."""
         n = self.num_tokens
         if not self.stamps:
-            return {"ttft_ms": None, "e2e_ms": None, "tpot_ms": None, "tpot_fair_ms": None}
+            return {"ttft_ms": None, "e2e_ms": None, "tpot_ms": None}
         first, last = self.stamps[0], self.stamps[-1]
-        span_ms = (last - first) * 1e3
-        after_first = n - self.counts[0]
         return {
             "ttft_ms": (first - self.start_s) * 1e3,
             "e2e_ms": (last - self.start_s) * 1e3,
-            "tpot_ms": span_ms / (n - 1) if n > 1 else None,
-            "tpot_fair_ms": span_ms / after_first if after_first > 0 else None,
+            "tpot_ms": (last - first) * 1e3 / (n - 1) if n > 1 else None,
         }
+
+    def token_times(self) -> list[float]:
+        """Commit time (seconds since start) of every token: a commit of n tokens stamps n tokens."""
+        return [stamp - self.start_s for stamp, n in zip(self.stamps, self.counts) for _ in range(n)]
+
+
+def io_stats(cache, link_busy_s: float | None = None) -> dict[str, Any]:
+    """Expert I/O columns of a record, from the cache's counters and the link's (one place for all methods).
+
+    copy_wait_ms: time compute waited for expert copies — host-blocked time on the CPU and
+    emulated links, device stall time (CUDA events) on the CUDA link. overlap_fraction: the share
+    of link busy time that did not stall compute, 1 − wait / busy.
+    """
+    c = cache.snapshot_counters()
+    wait_s = c["copy_wait_s"] + cache.link.stats.stall_seconds
+    return {
+        "h2d_bytes": int(c["h2d_bytes"]),
+        "demand_hits": int(c["demand_hits"]),
+        "demand_misses": int(c["demand_misses"]),
+        "copy_wait_ms": wait_s * 1e3,
+        "overlap_fraction": max(0.0, 1 - wait_s / link_busy_s) if link_busy_s else None,
+    }

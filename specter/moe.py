@@ -11,13 +11,18 @@ Every MoE block keeps its own router and shared experts; only `block.experts` is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from specter.offload.residency import expert_wise_moe, group_by_expert, token_wise_moe
+
+if TYPE_CHECKING:
+    from specter.offload.cache import ExpertCache
+    from specter.predict.elb import ExpertLoadBuffer
 
 SCHEDULES = ("expert", "token")
 
@@ -37,29 +42,55 @@ class RouteLog:
         self.windows[-1].setdefault(layer, set()).update(topk_idx.flatten().tolist())
 
 
+Mode = Literal["target", "draft"]
+
+
 @dataclass
 class MoERuntime:
-    """Shared state every `SpecterExperts` layer consults (mode, cache, draft, ELB, logs)."""
+    """Shared state every `SpecterExperts` layer consults.
 
-    cache: Any  # specter.offload.cache.ExpertCache
-    mode: str = "target"  # "target" | "draft"
+    Change the mode only through `mode(...)`, which restores the previous state on exit, so no
+    caller can leave the shared instance in draft mode or with a stale ELB / route log attached.
+    """
+
+    cache: ExpertCache
     schedule: str = "expert"  # target-mode schedule: "expert" | "token"
     draft: dict[int, Any] | None = None  # MoE layer -> INT4 draft experts (resident)
     draft_forward: Callable[..., torch.Tensor] | None = None  # fused draft kernel
-    elb: Any = None  # specter.predict.elb.ExpertLoadBuffer, counted in draft mode
+    current: Mode = "target"
+    elb: ExpertLoadBuffer | None = None  # counted in draft mode
     route_log: RouteLog | None = None  # target routes per window, when metrics need them
     host_compute: bool = False  # target experts straight from the host store (untimed probes only)
     capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # calibration hook
+    expert_filter: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown target schedule {self.schedule!r}; choose one of {SCHEDULES}")
 
+    @contextmanager
+    def mode(self, mode: Mode, *, elb: ExpertLoadBuffer | None = None, route_log: RouteLog | None = None,
+             host_compute: bool = False, capture=None, expert_filter=None) -> Iterator[MoERuntime]:
+        """Run the shared instance as the draft or the target inside the block; always restored."""
+        if mode not in ("target", "draft"):
+            raise ValueError(f"unknown MoE mode {mode!r}")
+        if mode == "draft" and self.draft is None:
+            raise RuntimeError("draft mode needs the INT4 draft experts attached (moe.draft)")
+        saved = (self.current, self.elb, self.route_log, self.host_compute, self.capture, self.expert_filter)
+        self.current, self.elb, self.route_log = mode, elb, route_log
+        self.host_compute, self.capture, self.expert_filter = host_compute, capture, expert_filter
+        try:
+            yield self
+        finally:
+            (self.current, self.elb, self.route_log, self.host_compute, self.capture, self.expert_filter) = saved
+
     def experts_forward(self, layer: int, x, topk_idx, topk_w, act_fn) -> torch.Tensor:
-        if self.mode == "draft":
+        if self.current == "draft":
             if self.elb is not None:
                 self.elb.add(layer, topk_idx)
             return self.draft_forward(x, topk_idx, topk_w, self.draft[layer], act_fn)
+        if self.expert_filter is not None:  # e.g. verification-time expert budgeting (lossy baselines)
+            topk_idx, topk_w = self.expert_filter(layer, topk_idx, topk_w)
         if self.route_log is not None:
             self.route_log.add(layer, topk_idx)
         if self.capture is not None:
@@ -90,12 +121,12 @@ class SpecterExperts(torch.nn.Module):
 
 def host_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, layer: int, store, act_fn) -> torch.Tensor:
     """Routed experts computed from host-store views, HF's order; bypasses the device cache."""
-    from specter.offload.residency import _expert_ffn
+    from specter.kernels.reference import expert_ffn
     from specter.offload.store import ExpertUID
 
     final = torch.zeros_like(x)  # [T, H]
     for e, tok, pos in group_by_expert(topk_idx, store.num_experts):
         gate_up, down = (w.to(x.device) for w in store.views(ExpertUID(layer, e)))
-        y = _expert_ffn(x[tok], gate_up, down, act_fn) * topk_w[tok, pos, None]  # [n, H]
+        y = expert_ffn(x[tok], gate_up, down, act_fn) * topk_w[tok, pos, None]  # [n, H]
         final.index_add_(0, tok, y.to(final.dtype))
     return final

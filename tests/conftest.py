@@ -37,13 +37,7 @@ def tiny_checkpoint():
     return get
 
 
-def compose(overrides: list[str]):
-    """The run config as `python run.py <overrides>` would compose it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+from specter.harness.compose import compose  # noqa: E402,F401  (re-exported for tests)
 
 
 def run_cli(args: list[str], cwd: Path | None = None, timeout: int = 600):

@@ -9,14 +9,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_MODELS, compose
-from specter.harness.errors import BudgetError
-from specter.harness.methods import build_method, load_full_model
+from specter.offload.budget import BudgetError
+from specter.harness.methods import build_method
+from specter.models.loading import load_full_model
 from specter.models.loading import WeightError, load_offloaded
 from specter.moe import MoERuntime
 from specter.offload.cache import ExpertCache
 from specter.offload.link import EmulatedLink
-from specter.spec.sampling import SamplingParams
-from specter.decode.autoregressive import generate_autoregressive
+from specter.speculative.sampling import SamplingParams
+from specter.speculative.autoregressive import generate_autoregressive
 
 CPU = torch.device("cpu")
 

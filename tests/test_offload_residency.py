@@ -4,6 +4,8 @@ import itertools
 
 import pytest
 import torch
+
+from specter.kernels.reference import moe_reference
 import torch.nn.functional as F
 
 from specter.offload import (
@@ -15,7 +17,6 @@ from specter.offload import (
     ImmediateLink,
     expert_wise_moe,
     group_by_expert,
-    reference_moe,
     token_wise_moe,
 )
 
@@ -85,7 +86,7 @@ def test_expert_wise_equals_reference_over_grid(E, k):
     for T, M in itertools.product((1, 2, 5, 17), _capacities(E, k)):
         seed = 1000 * T + 10 * M + k
         x, topk_idx, topk_w = _routing(T, E, k, torch.float32, seed)
-        ref = reference_moe(x, topk_idx, topk_w, gate_up_all, down_all, F.silu)
+        ref = moe_reference(x, topk_idx, topk_w, gate_up_all, down_all, F.silu)
         residents = _random_residents(E, M, seed)
         cache = ExpertCache(store, link, {LAYER: M}, "cpu", torch.float32, initial_residents={LAYER: residents})
 
@@ -122,11 +123,11 @@ def test_expert_wise_low_precision_matches_reference(dtype):
         x, topk_idx, topk_w = _routing(T, E, k, dtype, seed=T + M)
         init = {LAYER: _random_residents(E, M, T)}
         cache = ExpertCache(store, ImmediateLink(), {LAYER: M}, "cpu", dtype, initial_residents=init)
-        ref = reference_moe(x, topk_idx, topk_w, gate_up_all, down_all, F.silu)
+        ref = moe_reference(x, topk_idx, topk_w, gate_up_all, down_all, F.silu)
         out = expert_wise_moe(x, topk_idx, topk_w, LAYER, cache, F.silu)
         torch.testing.assert_close(out, ref)  # dtype-default tolerance
         assert torch.equal(out, ref)  # same ops on the same shapes: bitwise equal on CPU
-        ref32 = reference_moe(x.float(), topk_idx, topk_w.float(), gate_up_all.float(), down_all.float(), F.silu)
+        ref32 = moe_reference(x.float(), topk_idx, topk_w.float(), gate_up_all.float(), down_all.float(), F.silu)
         torch.testing.assert_close(out.float(), ref32, rtol=5e-2, atol=5e-2)
 
 
@@ -135,7 +136,7 @@ def test_expert_wise_with_emulated_link_rolls_and_overlaps():
     gate_up_all, down_all = _weights(E, torch.float32, seed=7)
     store = _store(gate_up_all, down_all)
     x, topk_idx, topk_w = _routing(T, E, k, torch.float32, seed=7)
-    ref = reference_moe(x, topk_idx, topk_w, gate_up_all, down_all, F.silu)
+    ref = moe_reference(x, topk_idx, topk_w, gate_up_all, down_all, F.silu)
     link = EmulatedLink(20e6, 0.001)  # ~1.3 ms per expert: copies are still in flight while computing
     try:
         for M in (1, 5, 6, 16):
@@ -175,7 +176,7 @@ def test_unconsumed_prefetches_are_dropped_when_they_block_the_layer():
     cache.prefetch(ExpertUID(LAYER, 6))  # mispredictions fill every slot
     assert cache.protected_count(LAYER) == 2
     out = expert_wise_moe(x, topk_idx, topk_w, LAYER, cache, F.silu)
-    assert torch.equal(out, reference_moe(x, topk_idx, topk_w, gate_up_all, down_all, F.silu))
+    assert torch.equal(out, moe_reference(x, topk_idx, topk_w, gate_up_all, down_all, F.silu))
     assert cache.pending_prefetches(LAYER) == set() and cache.protected_count(LAYER) == 0
 
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from conftest import TINY_MODELS, compose
-from specter.decode.autoregressive import generate_autoregressive
-from specter.harness.methods import build_method, load_full_model
-from specter.spec.sampling import SamplingParams
+from specter.speculative.autoregressive import generate_autoregressive
+from specter.harness.methods import build_method
+from specter.models.loading import load_full_model
+from specter.speculative.sampling import SamplingParams
 
 POLICIES = ("adaptive", "none", "early", "late", "oracle")
 

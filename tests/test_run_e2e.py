@@ -22,7 +22,7 @@ def test_target_only_writes_records(model, tmp_path, tiny_checkpoint):
     assert tuple(records.columns) == COLUMNS
     assert len(records) == 2 and (records.new_tokens == 6).all()
     assert records.tpot_ms.gt(0).all() and records.output_digest.str.len().eq(64).all()
-    assert records.acceptance_rate.isna().all()  # not a speculative method: empty, not a fake number
+    assert records.accepted_fraction.isna().all()  # not a speculative method: empty, not a fake number
     for name in ("summary.csv", "config.yaml", "env.json"):
         assert (out / name).exists()
     assert "summary.csv" in res.stdout
@@ -56,7 +56,7 @@ def test_resume_keeps_finished_records_and_never_overwrites(tmp_path, tiny_check
 def test_missing_real_weights_explains_without_traceback(tmp_path):
     res = run_cli(["model=dsv2", "memory=low", f"output_dir={tmp_path / 'o'}"], cwd=tmp_path)
     assert res.returncode != 0
-    assert "initialization/download_models.py" in res.stderr and "tiny_dsv2" in res.stderr
+    assert "initialization.download_models" in res.stderr and "tiny_dsv2" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
 
 
@@ -87,7 +87,7 @@ def test_specter_end_to_end_with_lossless_check(tmp_path, tiny_checkpoint):
     assert res.returncode == 0, res.stderr[-2000:]
     rec = pd.read_csv(out / "records.csv")
     assert (rec.K == 4).all() and (rec.draft_quant == "rtn").all()  # labelled: not the paper's GPTQ draft
-    assert rec.drafted_tokens.gt(0).all() and rec.acceptance_rate.between(0, 1).all()
+    assert rec.drafted_tokens.gt(0).all() and rec.accepted_fraction.between(0, 1).all()
     assert (rec.oracle_h2d_bytes <= rec.h2d_bytes).all()
     assert rec.prefetch_recall.notna().all() and rec.mean_accepted_len.ge(1).all()
     env = __import__("json").loads((out / "env.json").read_text())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specter.spec.sampling import (
+from specter.speculative.sampling import (
     SamplingParams,
     draft_next,
     greedy_verify,

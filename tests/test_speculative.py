@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from conftest import TINY_MODELS, compose
-from specter.decode.autoregressive import generate_autoregressive
-from specter.harness.methods import LosslessViolation, build_method, load_full_model
-from specter.spec.engine import SpeculativeEngine
-from specter.spec.sampling import SamplingParams
-from specter.spec.state import SequenceState
+from specter.speculative.autoregressive import generate_autoregressive
+from specter.harness.methods import LosslessViolation, build_method
+from specter.models.loading import load_full_model
+from specter.speculative.engine import SpeculativeEngine
+from specter.speculative.sampling import SamplingParams
+from specter.speculative.state import SequenceState
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams()
@@ -51,7 +52,7 @@ def test_greedy_specter_equals_target_only(name, memory, tiny_checkpoint, refere
             method.reset()
             gen = method.generate(prompt, 24, torch.Generator().manual_seed(0))
             assert gen.tokens == ref, f"K={K} prompt_len={prompt_len}"
-            assert gen.stats["drafted_tokens"] > 0 and 0 <= gen.stats["acceptance_rate"] <= 1
+            assert gen.stats["drafted_tokens"] > 0 and 0 <= gen.stats["accepted_fraction"] <= 1
             assert gen.clock.num_tokens == 24
     finally:
         method.close()
@@ -59,7 +60,7 @@ def test_greedy_specter_equals_target_only(name, memory, tiny_checkpoint, refere
 
 def test_lossless_check_can_fail(tiny_checkpoint, monkeypatch):
     """A broken verification (accept every draft token) is caught by verify_lossless."""
-    import specter.spec.engine as engine
+    import specter.speculative.engine as engine
 
     method = build_method(_method("tiny_phi", "high", "verify_lossless=true", "K=4"), tiny_checkpoint("tiny_phi"))
     try:
@@ -110,7 +111,7 @@ def test_shared_instance_and_draft_memory(tiny_checkpoint):
         seen: dict[str, list[int]] = {"draft": [], "target": []}
 
         def hook(module, args, out):
-            seen[method.rt.moe.mode].append(id(module))
+            seen[method.rt.moe.current].append(id(module))
 
         shared = [model.model.embed_tokens, model.model.layers[1].self_attn, model.model.layers[1].mlp.gate,
                   model.model.layers[1].mlp.shared_experts, model.model.norm, model.lm_head]
@@ -152,6 +153,6 @@ def test_stochastic_specter_runs_and_is_seeded(tiny_checkpoint):
         method.reset()
         b = method.generate(prompt, 20, torch.Generator().manual_seed(3))
         assert len(a.tokens) == 20 and a.tokens == b.tokens  # per-record seeds reproduce the record
-        assert 0 <= a.stats["acceptance_rate"] <= 1
+        assert 0 <= a.stats["accepted_fraction"] <= 1
     finally:
         method.close()

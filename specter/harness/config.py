@@ -6,8 +6,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-DATASET_CHOICES = ("c4", "wikitext2", "humaneval", "gsm8k", "gpqa", "all")
-PREFETCH_CHOICES = ("adaptive", "none", "early", "late", "oracle")
+from specter.harness.datasets import DATASETS
+from specter.models.loading import DTYPES
+from specter.moe import SCHEDULES
+from specter.offload.link import LINK_KINDS
+from specter.predict.planner import POLICIES
+from specter.quant.draft import QUANT_METHODS
+from specter.speculative.engine import PLANNER_STATES
+
 
 
 class ConfigError(ValueError):
@@ -45,7 +51,7 @@ def validate(cfg: DictConfig) -> None:
         cfg.prefix_tokens <= ctx,
         f"prefix_tokens={cfg.prefix_tokens} is longer than {cfg.model.name}'s context ({ctx} tokens)",
     )
-    K = effective_K(cfg)
+    K = effective_K(cfg)  # validates K / k_profile for every method
     extra = K + 1 if cfg.method.get("speculative") else 0
     _require(
         cfg.prefix_tokens + cfg.max_new_tokens + extra <= ctx,
@@ -55,16 +61,30 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.temperature >= 0, f"temperature must be >= 0, got {cfg.temperature}")
     _require(0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
     _require(cfg.top_k >= 0, f"top_k must be >= 0 (0 = off), got {cfg.top_k}")
-    _require(
-        cfg.dataset.name in DATASET_CHOICES,
-        f"unknown dataset {cfg.dataset.name!r}; choose one of {list(DATASET_CHOICES)}",
-    )
-    _require(cfg.hardware.link in ("cpu", "emulated", "cuda"), f"unknown hardware link {cfg.hardware.link!r}")
-    prefetch = cfg.method.get("prefetch")
-    if prefetch is not None:
-        _require(prefetch in PREFETCH_CHOICES, f"unknown prefetch policy {prefetch!r}; choose one of {list(PREFETCH_CHOICES)}")
+    _choice("dataset.name", cfg.dataset.name, (*DATASETS, "all"))
+    _choice("hardware.link", cfg.hardware.link, LINK_KINDS)
+    _choice("hardware.dtype", cfg.hardware.dtype, tuple(DTYPES))
+    hw = cfg.hardware
+    _require(hw.threads is None or hw.threads >= 1, f"hardware.threads must be >= 1 (or null), got {hw.threads}")
+    _require(hw.bandwidth_gbps is None or hw.bandwidth_gbps > 0,
+             f"hardware.bandwidth_gbps must be > 0 (or null to calibrate), got {hw.bandwidth_gbps}")
+    _require(hw.latency_us is None or hw.latency_us >= 0, f"hardware.latency_us must be >= 0, got {hw.latency_us}")
+    _require(cfg.model.load_ratio > 0, f"model.load_ratio must be > 0, got {cfg.model.load_ratio}")
+    budget = cfg.memory.budget_mb
+    _require(budget is None or budget > 0, f"memory.budget_mb must be > 0 (or null for the tier's budget), got {budget}")
+    m = cfg.method
+    for key, choices in (("prefetch", POLICIES), ("schedule", SCHEDULES), ("quant", QUANT_METHODS),
+                         ("planner_state", PLANNER_STATES)):
+        if m.get(key) is not None:
+            _choice(f"method.{key}", m.get(key), choices)
+    if m.get("calibration_prompts") is not None:
+        _int(cfg, "method.calibration_prompts", 1)
     if cfg.verify_lossless and cfg.temperature > 0:
         raise ConfigError("verify_lossless compares against greedy target-only decoding: it needs temperature=0")
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    _require(value in choices, f"unknown {key} {value!r}; choose one of {list(choices)}")
 
 
 def effective_K(cfg: DictConfig) -> int:
@@ -79,16 +99,18 @@ def effective_K(cfg: DictConfig) -> int:
 
 
 def resident_experts(cfg: DictConfig) -> int:
-    """Resident experts per MoE layer (M) for the model and memory tier."""
+    """Resident experts per MoE layer (M): `memory.resident_experts` if given, else the model's tier."""
     override = cfg.memory.get("resident_experts")
     if override is not None:
-        M = int(override)
+        M = override
     else:
-        key = cfg.model.get("real") or cfg.model.name
-        fractions = cfg.memory.resident_fraction
-        _require(key in fractions, f"memory tier {cfg.memory.name!r} has no resident fraction for {key!r}")
-        M = max(1, round(fractions[key] * cfg.model.num_experts))
-    _require(M >= 1, f"memory tier {cfg.memory.name!r} leaves no expert slot per layer for {cfg.model.name}")
+        tiers = cfg.model.get("tiers") or {}
+        _require(cfg.memory.name in tiers,
+                 f"{cfg.model.name} defines no memory tier {cfg.memory.name!r} (it has {sorted(tiers)})")
+        M = tiers[cfg.memory.name].resident_experts
+    _require(isinstance(M, int) and not isinstance(M, bool),
+             f"memory.resident_experts must be an integer, got {M!r}")
+    _require(M >= 1, f"memory tier {cfg.memory.name!r} leaves no expert slot per layer for {cfg.model.name} (M={M})")
     _require(
         M <= cfg.model.num_experts,
         f"resident_experts={M} exceeds {cfg.model.name}'s {cfg.model.num_experts} routed experts",

@@ -74,6 +74,10 @@ class DatasetFormatError(ValueError):
     """A dataset file exists but cannot be read as the format its name promises."""
 
 
+class TooFewPrompts(DatasetUnavailable):
+    """The dataset holds fewer usable prompts than were asked for."""
+
+
 @dataclass(frozen=True)
 class PromptSet:
     """Prompts of one dataset and where they came from (recorded with results)."""
@@ -355,7 +359,7 @@ def _select(texts: Iterator[str], num_prompts: int, seed: int, where: str) -> li
             chosen = random.Random(seed).sample(pool, num_prompts) if len(pool) >= num_prompts else pool
             available = f"only {len(pool)}"
     if len(chosen) < num_prompts:
-        raise ValueError(f"{where} holds {available} non-empty texts; {num_prompts} were asked for")
+        raise TooFewPrompts(f"{where} holds {available} non-empty texts; {num_prompts} were asked for")
     return chosen
 
 

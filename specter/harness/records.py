@@ -16,29 +16,22 @@ from typing import Any
 KEY_COLUMNS = ("method", "model", "memory", "dataset", "prompt_index", "repeat")
 COLUMNS = (
     *KEY_COLUMNS,
-    "hardware",
-    "K",
-    "prefix_tokens",
-    "new_tokens",
-    "tpot_ms",
-    "tpot_fair_ms",
-    "ttft_ms",
-    "e2e_ms",
-    "accepted_tokens",
-    "drafted_tokens",
-    "acceptance_rate",
-    "mean_accepted_len",
-    "h2d_bytes",
-    "demand_hits",
-    "demand_misses",
-    "copy_wait_ms",
-    "prefetch_precision",
-    "prefetch_recall",
-    "oracle_h2d_bytes",
-    "overlap_fraction",
-    "draft_quant",
-    "output_digest",
-    "seed",
+    # what ran
+    "hardware", "K", "schedule", "prefetch", "resident_experts", "draft_quant", "batch_size",
+    "prefix_tokens", "new_tokens",
+    # latency (metrics.CommitClock)
+    "tpot_ms", "ttft_ms", "e2e_ms",
+    # speculation (speculative.engine.acceptance_stats)
+    "accepted_tokens", "drafted_tokens", "accepted_fraction", "acceptance_alpha", "mean_accepted_len",
+    # expert I/O (metrics.io_stats) and prediction
+    "h2d_bytes", "demand_hits", "demand_misses", "copy_wait_ms", "overlap_fraction",
+    "prefetch_precision", "prefetch_recall", "dropped_prefetches", "oracle_h2d_bytes",
+    # lossy methods: quality against target-only decoding
+    "expert_budget", "budget_mode", "first_divergence", "token_match_fraction", "target_nll",
+    # engines and memory
+    "peak_memory_bytes",
+    # correctness and provenance
+    "lossless_check", "prompt_sha256", "output_digest", "seed",
 )
 
 

@@ -20,7 +20,8 @@ from specter.harness.methods import build_method
 from specter.harness.output import open_output_dir, write_environment
 from specter.harness.records import RecordWriter, token_digest
 from specter.harness.summary import print_summary, write_summary
-from specter.models.registry import resolve_checkpoint
+from specter.speculative.sampling import make_generator
+from specter.harness.runtime import model_checkpoint
 
 
 def record_seed(base: int, dataset: str, prompt_index: int, repeat: int) -> int:
@@ -60,7 +61,7 @@ def _measure(cfg, out, writer, base, prompts, todo) -> None:
 
     if cfg.hardware.get("threads"):
         torch.set_num_threads(int(cfg.hardware.threads))
-    checkpoint = resolve_checkpoint(cfg.model)
+    checkpoint = model_checkpoint(cfg)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     method = build_method(cfg, checkpoint)
     write_environment(out, {"method": method.environment(), "checkpoint": str(checkpoint)})
@@ -75,13 +76,14 @@ def _measure(cfg, out, writer, base, prompts, todo) -> None:
     try:
         if cfg.warmup_tokens > 0:  # outside timing: kernels, allocator, caches
             first_ds = todo[0][0]
-            method.generate(encode(prompts[first_ds][0]), cfg.warmup_tokens, torch.Generator().manual_seed(0))
+            method.generate(encode(prompts[first_ds][0]), cfg.warmup_tokens, make_generator(device, 0))
+            method.warmed()
         static = {"hardware": cfg.hardware.name, "prefix_tokens": cfg.prefix_tokens, **method.static_fields()}
         for ds, i, r in tqdm(todo, desc=f"{cfg.method.name}/{cfg.model.name}", disable=not cfg.progress, unit="rec"):
             prompt_ids = encode(prompts[ds][i])
             seed = record_seed(cfg.seed, ds, i, r)
             method.reset()  # outside timing
-            gen = method.generate(prompt_ids, cfg.max_new_tokens, torch.Generator().manual_seed(seed))
+            gen = method.generate(prompt_ids, cfg.max_new_tokens, make_generator(device, seed))
             row = {
                 **base, "dataset": ds, "prompt_index": i, "repeat": r, **static,
                 "prefix_tokens": prompt_ids.shape[1], "new_tokens": len(gen.tokens),

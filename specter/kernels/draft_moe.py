@@ -35,10 +35,11 @@ Backends:
               T·A is small (see `choose_backend`), else "grouped". torch's CPU INT4 GEMM is
               only fast for bf16 on this AVX2 build (fp32/fp16 measured 4-40x slower).
 
-Both backends make one host sync per call (the number of active experts sizes the buffers).
+  "triton"  : CUDA (or CPU under TRITON_INTERPRET=1). `triton_moe.fused_moe_w4a16`: one launch per
+              projection for all experts, nibbles unpacked in registers, no host sync. Never
+              picked by "auto" here: `kernels/select.py` chooses the draft's kernel per device.
 
-A GPU kernel that fuses unpacking into the grouped GEMM (one launch per projection) would
-slot in as another backend; the reference and the tests stay the same.
+"grouped" and "int4mm" make one host sync per call (the number of active experts sizes the buffers).
 """
 from __future__ import annotations
 
@@ -50,39 +51,22 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 
+from specter.kernels.reference import moe_reference
 from specter.quant.int4 import ZERO_POINT, Int4Experts, dequantize, unpack_codes
 
 ActFn = Callable[[torch.Tensor], torch.Tensor]
-Backend = Literal["auto", "grouped", "int4mm"]
+moe_eager_loop = moe_reference  # former name, kept for callers being migrated
+Backend = Literal["auto", "grouped", "int4mm", "triton"]
 GroupedMatmul = Literal["auto", "grouped_mm", "bmm"]
 
 
 # ----------------------------------------------------------------------------- reference
 
 
-def moe_eager_loop(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w_gu: torch.Tensor,
-                   w_dn: torch.Tensor, act_fn: ActFn) -> torch.Tensor:
-    """transformers' eager experts loop on dense weights w_gu [E, 2I, H], w_dn [E, H, I] (same dtype as x)."""
-    num_experts = w_gu.shape[0]
-    out = torch.zeros_like(x)  # [T, H]
-    mask = F.one_hot(topk_idx.long().clamp(0, num_experts), num_classes=num_experts + 1)  # [T, k, E+1]
-    mask = mask.permute(2, 1, 0)  # [E+1, k, T]
-    hit = (mask.sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist()
-    for e in hit:
-        if e == num_experts:  # out-of-range ids (masked routes) are skipped, as in HF
-            continue
-        slot, tok = torch.where(mask[e])
-        gate, up = F.linear(x[tok], w_gu[e]).chunk(2, dim=-1)  # [n, I] each
-        y = F.linear(act_fn(gate) * up, w_dn[e])  # [n, H]
-        y = y * topk_w[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
-
-
 def draft_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: Int4Experts,
                         down: Int4Experts, act_fn: ActFn) -> torch.Tensor:
     """Slow reference: dequantize every expert to x.dtype, then HF's eager per-expert loop."""
-    return moe_eager_loop(x, topk_idx, topk_w, dequantize(gate_up, x.dtype), dequantize(down, x.dtype), act_fn)
+    return moe_reference(x, topk_idx, topk_w, dequantize(gate_up, x.dtype), dequantize(down, x.dtype), act_fn)
 
 
 def draft_moe_unfused(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: Int4Experts,
@@ -360,6 +344,10 @@ def draft_moe_fused(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
     """Routed-expert MoE of the INT4 draft: x [T, H], topk_idx/topk_w [T, k] -> [T, H] in x.dtype."""
     if backend == "auto":
         backend = choose_backend(x, topk_idx, prepared)
+    if backend == "triton":
+        from specter.kernels.triton_moe import fused_moe_w4a16  # imports triton: only on this path
+
+        return fused_moe_w4a16(x, topk_idx, topk_w, gate_up, down, act_fn)
     if backend == "int4mm":
         if prepared is None:
             prepared = prepare_int4mm(gate_up, down, x.dtype)

@@ -20,6 +20,17 @@ from specter.moe import SpecterExperts
 from specter.offload.store import ExpertLayout, ExpertUID, HostExpertStore
 
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def load_full_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The plain transformers model, every weight on the device (HF's eager experts loop)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, experts_implementation="eager")
+    return model.to(device).eval()
+
+
 class WeightError(RuntimeError):
     """The checkpoint does not match the architecture (missing, unexpected or mis-shaped tensors)."""
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
-
-from omegaconf import DictConfig
 
 from specter.models import tiny
 
@@ -17,36 +17,77 @@ def _has_weights(path: Path) -> bool:
     return (path / "config.json").exists() and any(path.glob("*.safetensors"))
 
 
-def resolve_checkpoint(model_cfg: DictConfig) -> Path:
-    """Folder holding config.json, *.safetensors and the tokenizer for `model_cfg`."""
-    if model_cfg.source == "tiny":
-        if model_cfg.get("trained"):
-            path = tiny.tiny_dir(model_cfg.name, trained=True)
+def resolve_checkpoint(name: str, source: str, trained: bool = False, local_dir: str | Path | None = None,
+                       hf_id: str | None = None, revision: str | None = None) -> Path:
+    """Folder holding config.json, *.safetensors and the tokenizer of a model.
+
+    `source="tiny"`: a locally built tiny model (`trained` picks the briefly trained variant);
+    `source="hub"`: real weights in `local_dir` or already in the Hugging Face cache (never downloads).
+    """
+    if source == "tiny":
+        if trained:
+            path = tiny.tiny_dir(name, trained=True)
             if not _has_weights(path):
                 raise ModelUnavailable(
-                    f"the briefly trained {model_cfg.name} is not built yet ({path}).\n"
-                    f"Build it (a few CPU minutes): python initialization/train_tiny.py {model_cfg.name}"
+                    f"the briefly trained {name} is not built yet ({path}).\n"
+                    f"Build it (a few CPU minutes): python -m initialization.train_tiny {name}"
                 )
             return path
-        return tiny.ensure_tiny(model_cfg.name)
-    local = Path(model_cfg.local_dir)
-    if _has_weights(local):
+        return tiny.ensure_tiny(name)
+    local = Path(local_dir) if local_dir else None
+    if local is not None and _has_weights(local):
         return local
     try:  # a copy already in the Hugging Face cache (never downloads here)
         from huggingface_hub import snapshot_download
 
         cached = Path(
-            snapshot_download(model_cfg.hf_id, revision=model_cfg.get("revision"), local_files_only=True)
+            snapshot_download(hf_id, revision=revision, local_files_only=True)
         )
         if _has_weights(cached):
             return cached
     except Exception:  # noqa: BLE001 - any failure means "not cached"
         pass
     raise ModelUnavailable(
-        f"weights for {model_cfg.name} ({model_cfg.hf_id}) are not on this machine "
+        f"weights for {name} ({hf_id}) are not on this machine "
         f"(looked in {local} and the Hugging Face cache).\n"
         f"  Download them on a machine with internet access and a GPU:\n"
-        f"    python initialization/download_models.py {model_cfg.name}\n"
+        f"    python -m initialization.download_models {name}\n"
         f"  (set SPECTER_MODELS to choose the folder). On a CPU-only machine, use a tiny model of the\n"
         f"  same architecture instead: model=tiny_dsv2, model=tiny_qwen or model=tiny_phi."
     )
+
+
+def checkpoint_digest(checkpoint: Path) -> str:
+    """sha256 over the checkpoint's weight files (name and content), in name order.
+
+    Caches that depend on the weights (the GPTQ draft, the link calibration) are keyed by it, so
+    retrained or replaced weights never reuse a stale artifact. Each file's hash is remembered in
+    `.specter-digest.json` beside it, keyed by size and mtime, so large checkpoints hash once.
+    """
+    checkpoint = Path(checkpoint)
+    memo_path = checkpoint / ".specter-digest.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    h, changed = hashlib.sha256(), False
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        st = f.stat()
+        stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        entry = memo.get(f.name)
+        if not entry or entry.get("stamp") != stamp:
+            fh = hashlib.sha256()
+            with f.open("rb") as fp:
+                for chunk in iter(lambda: fp.read(1 << 24), b""):
+                    fh.update(chunk)
+            entry, changed = {"stamp": stamp, "sha256": fh.hexdigest()}, True
+            memo[f.name] = entry
+        h.update(f"{f.name}|{entry['sha256']}|".encode())
+    if changed:
+        try:
+            from specter.paths import atomic_write_text
+
+            atomic_write_text(memo_path, json.dumps(memo, indent=1))
+        except OSError:  # a read-only checkpoint folder: hash again next time
+            pass
+    return h.hexdigest()

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from specter.paths import specter_home
+
 TOKENIZER_VOCAB = 1024
 TOKENIZER_CORPUS_BYTES = 4_000_000
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
@@ -122,11 +124,6 @@ TINY_SPECS: dict[str, TinySpec] = {
 TINY_WEIGHT_SHA256: dict[str, str] = json.loads(
     (Path(__file__).with_name("tiny_checksums.json")).read_text()
 ) if Path(__file__).with_name("tiny_checksums.json").exists() else {}
-
-
-def specter_home() -> Path:
-    """Root of Specter's cache (tiny checkpoints, drafts, calibration): `$SPECTER_HOME` or ~/.cache/specter."""
-    return Path(os.environ.get("SPECTER_HOME", Path.home() / ".cache" / "specter"))
 
 
 def tiny_dir(name: str, trained: bool = False, root: Path | None = None) -> Path:

@@ -11,7 +11,7 @@ from .link import (
     TransferLink,
     make_link,
 )
-from .residency import expert_wise_moe, group_by_expert, reference_moe, token_wise_moe
+from .residency import expert_wise_moe, group_by_expert, token_wise_moe
 from .store import ExpertLayout, ExpertUID, HostExpertStore
 
 __all__ = [
@@ -32,6 +32,5 @@ __all__ = [
     "expert_wise_moe",
     "group_by_expert",
     "make_link",
-    "reference_moe",
     "token_wise_moe",
 ]

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from specter.harness.errors import BudgetError
 
 MB = 1 << 20
+
+
+class BudgetError(ValueError):
+    """The configuration does not fit the memory tier's device budget."""
 
 
 @dataclass(frozen=True)

@@ -60,11 +60,15 @@ class CompletedTicket(Ticket):
 @dataclass
 class LinkStats:
     """Counters of one link. ``bytes_copied``/``copies`` count submitted copies (all landed
-    once ``synchronize`` returns); ``busy_seconds`` is time the copy engine spent copying."""
+    once ``synchronize`` returns); ``busy_seconds`` is time the copy engine spent copying;
+    ``stall_seconds`` is device time compute spent waiting for copies, where the device is
+    asynchronous (CUDA: measured with events around each stream wait). On synchronous links
+    the host is what waits, and the expert cache counts that as ``copy_wait_s``."""
 
     bytes_copied: int = 0
     copies: int = 0
     busy_seconds: float = 0.0
+    stall_seconds: float = 0.0
 
 
 class TransferLink(ABC):
@@ -241,15 +245,24 @@ class _CudaTicket(Ticket):
         self.start = start
         self.end = end
         self._device = device
+        self.on_stall = None  # set by CudaLink: collects (before, after) event pairs
 
     def done(self) -> bool:
         return self.end.query()
 
     def wait(self) -> float:
-        # Device-side dependency only: the compute stream waits, the host does not.
-        t0 = time.perf_counter()
-        torch.cuda.current_stream(self._device).wait_event(self.end)
-        return time.perf_counter() - t0
+        # Device-side dependency only: the compute stream waits, the host does not. The stall is
+        # measured on the device: events just before and just after the wait on the compute stream.
+        if self.end.query():
+            return 0.0
+        stream = torch.cuda.current_stream(self._device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(self.end)
+        after.record(stream)
+        if self.on_stall is not None:
+            self.on_stall(before, after)
+        return 0.0
 
 
 class CudaLink(TransferLink):
@@ -266,6 +279,7 @@ class CudaLink(TransferLink):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(device=self.device)
         self._unharvested: list[_CudaTicket] = []
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None) -> Ticket:
         nbytes = self._check_submit(src_flat, dst_flat)
@@ -278,6 +292,7 @@ class CudaLink(TransferLink):
             dst_flat.copy_(src_flat, non_blocking=True)
             end.record(self.stream)
         ticket = _CudaTicket(nbytes, start, end, self.device)
+        ticket.on_stall = lambda a, b: self._stalls.append((a, b))
         self._unharvested.append(ticket)
         if len(self._unharvested) > 256:
             self._harvest()
@@ -292,6 +307,13 @@ class CudaLink(TransferLink):
             else:
                 pending.append(t)
         self._unharvested = pending
+        waiting = []
+        for before, after in self._stalls:
+            if after.query():
+                self._stats.stall_seconds += before.elapsed_time(after) / 1e3
+            else:
+                waiting.append((before, after))
+        self._stalls = waiting
 
     @property
     def stats(self) -> LinkStats:

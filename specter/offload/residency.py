@@ -11,7 +11,7 @@ grouped by expert and each expert runs once as a GEMM over its tokens::
           ──► index_add_ the per-expert outputs in ascending expert id
 
 The final accumulation order is fixed, so the result never depends on cache state or
-copy timing, and matches the HF eager loop (``reference_moe``) bit for bit on the
+copy timing, and matches the HF eager loop (``specter.kernels.reference.moe_reference``) bit for bit on the
 same device and dtype.
 """
 
@@ -23,17 +23,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from specter.kernels.reference import expert_ffn
+
 from .cache import ExpertCache, SlotHandle
 from .store import ExpertUID
 
 ActFn = Callable[[torch.Tensor], torch.Tensor]
 OnExpert = Callable[[ExpertUID, bool], None]  # (expert, was it a hit) at compute time
-
-
-def _expert_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn: ActFn) -> torch.Tensor:
-    """One expert on its tokens: ``xs [n,H]`` -> ``[n,H]`` (same op sequence as HF)."""
-    gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)  # [n, I] each
-    return F.linear(act_fn(gate) * up, down)  # [n, H]
 
 
 def group_by_expert(topk_idx: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -117,7 +113,7 @@ def expert_wise_moe(
         cache.wait(handle)
         tok, pos = by_expert[handle.uid.expert]
         gate_up, down = cache.views(handle)
-        y = _expert_ffn(x[tok], gate_up, down, act_fn)  # [n, H]
+        y = expert_ffn(x[tok], gate_up, down, act_fn)  # [n, H]
         outputs[handle.uid.expert] = y * topk_w[tok, pos, None]
         if on_expert is not None:
             on_expert(handle.uid, handle.hit)
@@ -165,33 +161,9 @@ def token_wise_moe(
                 raise RuntimeError(f"layer {layer}: all expert slots are protected elsewhere; cannot load expert {e}")
             cache.wait(handle)
             gate_up, down = cache.views(handle)
-            y = _expert_ffn(x[t : t + 1], gate_up, down, act_fn) * topk_w[t, pos]  # [1, H]
+            y = expert_ffn(x[t : t + 1], gate_up, down, act_fn) * topk_w[t, pos]  # [1, H]
             if on_expert is not None:
                 on_expert(uid, handle.hit)
             cache.release(handle)
             final[t : t + 1] += y.to(final.dtype)
-    return final
-
-
-def reference_moe(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    gate_up_all: torch.Tensor,
-    down_all: torch.Tensor,
-    act_fn: ActFn,
-) -> torch.Tensor:
-    """The HF eager expert loop over all-resident weights ``gate_up_all [E,2I,H]``,
-    ``down_all [E,H,I]`` (pure PyTorch, no cache)."""
-    E = gate_up_all.shape[0]
-    final = torch.zeros_like(x)  # [T, H]
-    expert_mask = F.one_hot(topk_idx, num_classes=E + 1).permute(2, 1, 0)  # [E+1, k, T]
-    expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for e in expert_hit[:, 0].tolist():
-        if e == E:
-            continue
-        top_k_pos, token_idx = torch.where(expert_mask[e])
-        y = _expert_ffn(x[token_idx], gate_up_all[e], down_all[e], act_fn)
-        y = y * topk_w[token_idx, top_k_pos, None]
-        final.index_add_(0, token_idx, y.to(final.dtype))
     return final

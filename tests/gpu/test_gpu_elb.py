@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specter.predict.elb import ExpertLoadBuffer
-from specter.spec.sampling import greedy_verify, speculative_verify
+from specter.speculative.sampling import greedy_verify, speculative_verify
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,14 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from specter.metrics import CommitClock
-from specter.spec.sampling import SamplingParams, logits_to_probs, sample
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy argmax at temperature 0, else a sample from the filtered distribution."""
-    if params.temperature == 0:
-        return int(logits.argmax())
-    return sample(logits_to_probs(logits.float(), params), generator)
+from specter.speculative.sampling import SamplingParams, next_token
 
 
 @torch.inference_mode()

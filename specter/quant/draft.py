@@ -64,7 +64,7 @@ def build_draft(om, quant: str, device: torch.device, dtype: torch.dtype, group_
     if quant not in QUANT_METHODS:
         raise ValueError(f"unknown draft quantization {quant!r}; choose one of {QUANT_METHODS}")
     if quant == "gptq" and packed_layers is None:
-        raise ValueError("a GPTQ draft needs its packed layers (see specter.calibration.gptq_draft)")
+        raise ValueError("a GPTQ draft needs its packed layers (see specter.quant.calibration.gptq_draft)")
     draft = {}
     for layer in om.moe_layers:
         if packed_layers is not None:

@@ -5,30 +5,39 @@
                               │ at planner boundaries b_i: top-M plan → prefetch batch (copy link)
 
 Names follow the paper: K draft length, p target probabilities, q draft probabilities, M cache
-slots per layer, b_i planner boundaries. At temperature 0 the output equals target-only greedy
-decoding token for token (greedy verification accepts a draft token only if it is the target's
-argmax, and the correction/bonus token is the target's argmax).
+slots per layer, b_i planner boundaries, α the per-token acceptance. At temperature 0 the output
+equals target-only greedy decoding token for token (greedy verification accepts a draft token
+only if it is the target's argmax, and the correction/bonus token is the target's argmax).
+
+State between records: the expert cache is reset by the caller (outside timing). The planner's
+bandwidth and draft-step estimates follow `planner_state`: "warm" restores the estimates
+snapshotted by `mark_warm()` (after the warm-up) before every record, "cold" restores the paper's
+initial values, "carry" keeps whatever the previous record learned.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Literal
 
 import torch
 
-from specter.decode.autoregressive import next_token
-from specter.metrics import CommitClock
+from specter.metrics import CommitClock, io_stats
 from specter.moe import RouteLog
+from specter.offload.runtime import Runtime
 from specter.offload.store import ExpertUID
 from specter.predict.elb import ExpertLoadBuffer
 from specter.predict.oracle import oracle_bytes
-from specter.predict.planner import PlannerConfig, make_policy
-from specter.spec.sampling import SamplingParams, draft_next, verify_window
-from specter.spec.state import SequenceState
+from specter.predict.planner import POLICIES, PlannerConfig, make_policy
+from specter.speculative.sampling import SamplingParams, draft_next, next_token, verify_window
+from specter.speculative.state import SequenceState
+from specter.speculative.timing import StepTimer
+
+PlannerState = Literal["warm", "cold", "carry"]
+PLANNER_STATES: tuple[str, ...] = ("warm", "cold", "carry")
+ExpertFilter = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -38,35 +47,76 @@ class WindowTrace:
     drafted: list[int] = field(default_factory=list)  # K per iteration
     accepted: list[int] = field(default_factory=list)  # accepted drafts per iteration
     predicted_hits: int = 0  # Σ |predicted ∩ actual| over windows and layers
-    predicted: int = 0  # Σ |predicted|
+    predicted: int = 0  # Σ |predicted|: experts the planner's top-M plans named
     actual_capped: int = 0  # Σ min(|actual|, M): what any M-slot prediction could cover
+    dropped_prefetches: int = 0  # planned loads that found every slot pinned
     phases: list[tuple[str, int, int, int]] = field(default_factory=list)  # (phase, start, end, batch)
+    windows: list[dict[str, float]] = field(default_factory=list)  # per-window timing (draft, verify, link)
+
+
+def acceptance_stats(drafted: list[int], accepted: list[int]) -> dict[str, float | None]:
+    """accepted_fraction = Σa / ΣK; α = Σa / (Σa + rejections), the per-token acceptance whose
+    geometric run length E[A] = α / (1 − α) the paper uses to bound K."""
+    total_d, total_a = sum(drafted), sum(accepted)
+    rejections = sum(1 for k, a in zip(drafted, accepted) if a < k)
+    alpha = total_a / (total_a + rejections) if total_a + rejections else None
+    return {
+        "accepted_tokens": total_a,
+        "drafted_tokens": total_d,
+        "accepted_fraction": total_a / total_d if total_d else None,
+        "acceptance_alpha": alpha,
+        "mean_accepted_len": (total_a + len(accepted)) / len(accepted) if accepted else None,
+    }
 
 
 class SpeculativeEngine:
     """Draft with INT4 experts, prefetch by the planner, verify expert-wise with the target."""
 
-    def __init__(self, rt: Any, K: int, params: SamplingParams, prefetch: str = "adaptive",
-                 planner_config: PlannerConfig | None = None):
+    def __init__(self, rt: Runtime, K: int, params: SamplingParams, prefetch: str = "adaptive",
+                 planner_config: PlannerConfig | None = None, planner_state: PlannerState = "warm",
+                 expert_filter: ExpertFilter | None = None):
         if K < 1:
             raise ValueError(f"K must be >= 1, got {K}")
+        if prefetch not in POLICIES:
+            raise ValueError(f"unknown prefetch policy {prefetch!r}; choose one of {POLICIES}")
+        if planner_state not in PLANNER_STATES:
+            raise ValueError(f"unknown planner_state {planner_state!r}; choose one of {PLANNER_STATES}")
         self.rt, self.K, self.params, self.prefetch = rt, K, params, prefetch
+        self.planner_state = planner_state
+        self.expert_filter = expert_filter
         self.model = rt.model
         self.cache = rt.cache
         self.moe = rt.moe
         self.layers = rt.om.moe_layers
         self.capacity = {layer: self.cache.capacity(layer) for layer in self.layers}
-        device = next(self.model.parameters()).device
-        self.elb = ExpertLoadBuffer(self.layers, rt.om.num_experts, device) if prefetch in ("adaptive", "early", "late") else None
+        self.device = next(self.model.parameters()).device
+        counted = prefetch in ("adaptive", "early", "late")
+        self.elb = ExpertLoadBuffer(self.layers, rt.om.num_experts, self.device) if counted else None
         self.planner = make_policy(prefetch, K, rt.om.store.nbytes_per_expert, planner_config)
+        self._cold = (self.planner.bandwidth, self.planner.draft_step)
+        self._warm = self._cold
         self.route_log = RouteLog()
+        self.timer = StepTimer(self.device)
+
+    # ------------------------------------------------------------------------------ state
+    def mark_warm(self) -> None:
+        """Snapshot the planner's estimates (call after the warm-up); "warm" records start from it."""
+        self._warm = (self.planner.bandwidth, self.planner.draft_step)
+
+    def reset(self) -> None:
+        """Bring the planner to the documented per-record state (the caller resets the cache)."""
+        if self.planner_state == "warm":
+            self.planner.bandwidth, self.planner.draft_step = self._warm
+        elif self.planner_state == "cold":
+            self.planner.bandwidth, self.planner.draft_step = self._cold
 
     # ------------------------------------------------------------------------------ forward
-    def _forward(self, ids: torch.Tensor, state: SequenceState, mode: str) -> torch.Tensor:
-        self.moe.mode = mode
-        self.moe.elb = self.elb if mode == "draft" else None
-        self.moe.route_log = self.route_log if mode == "target" else None
-        return self.model(input_ids=ids, cache=state.cache, use_cache=True).logits[0]  # [T, V]
+    def _forward(self, ids: torch.Tensor, state: SequenceState, mode: str, host_compute: bool = False) -> torch.Tensor:
+        scope = (self.moe.mode("draft", elb=self.elb) if mode == "draft" else
+                 self.moe.mode("target", route_log=self.route_log, host_compute=host_compute,
+                               expert_filter=self.expert_filter))
+        with scope:
+            return self.model(input_ids=ids, cache=state.cache, use_cache=True).logits[0]  # [T, V]
 
     def _target(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
         self.route_log.begin_window()
@@ -78,10 +128,10 @@ class SpeculativeEngine:
                  clock: CommitClock | None = None) -> tuple[list[int], dict[str, Any]]:
         clock = self.clock = clock or CommitClock()
         state = SequenceState.new(self.model)
-        trace = WindowTrace()
+        trace = self.trace = WindowTrace()
         self.route_log = RouteLog()
         link = self.rt.link
-        link0 = (link.bytes_copied, link.busy_seconds)
+        link0 = link.busy_seconds
         clock.start()
         logits = self._target(prompt_ids, state)[-1]  # prefill: [V]
         state.start(prompt_ids.shape[1], next_token(logits, self.params, generator))
@@ -96,8 +146,10 @@ class SpeculativeEngine:
                 clock.commit(1)
                 continue
             window0 = (link.bytes_copied, link.busy_seconds)
+            t0 = time.perf_counter()
             drafts, q = self._draft(state, last, K, generator, trace)  # [K], [K, V] | None
             state.discard_extension()  # drop the draft scratch
+            t1 = time.perf_counter()
             target_logits = self._target(torch.cat([last[0], drafts])[None], state)  # [K+1, V]
             self.cache.release_prefetches()  # mispredicted prefetches give their slots back
             self._score_prediction(trace)
@@ -107,9 +159,11 @@ class SpeculativeEngine:
             trace.drafted.append(K)
             trace.accepted.append(a)
             moved, busy = link.bytes_copied - window0[0], link.busy_seconds - window0[1]
+            trace.windows.append({"draft_s": t1 - t0, "verify_s": time.perf_counter() - t1,
+                                  "h2d_bytes": moved, "link_busy_s": busy})
             if moved and busy > 0:  # the planner's bandwidth estimate follows the real link
                 self.planner.observe_transfer(moved, busy)
-        return state.tokens[:max_new_tokens], self._stats(trace, link.busy_seconds - link0[1])
+        return state.tokens[:max_new_tokens], self._stats(trace, link.busy_seconds - link0)
 
     # ------------------------------------------------------------------------------ draft
     def _draft(self, state: SequenceState, last: torch.Tensor, K: int, generator, trace: WindowTrace):
@@ -120,41 +174,42 @@ class SpeculativeEngine:
             self._oracle_prefetch(state, last, K)
         tokens, qs = [], []
         tok = last
+        self.timer.start()
         for step in range(1, K + 1):
-            t0 = time.perf_counter()
             logits = self._forward(tok, state, "draft")[-1]  # [V]
             d, q = draft_next(logits, self.params, generator)
             tokens.append(d)
             qs.append(q)
             tok = d.view(1, 1)
-            planner.observe_draft_step(time.perf_counter() - t0)
+            self.timer.lap()
             if self.elb is not None and planner.next_boundary == step:
-                self._boundary(step)
+                for seconds in self.timer.harvest():
+                    planner.observe_draft_step(seconds)
+                self._boundary(step, trace)
+        for seconds in self.timer.harvest():
+            planner.observe_draft_step(seconds)
         if self.elb is not None:
             self.elb.clear()  # later evidence is discarded; nothing carries into the next window
         trace.phases.extend((c.phase, c.start, c.end, c.batch) for c in planner.trace)
         drafts = torch.stack(tokens)  # [K]
         return drafts, (torch.stack(qs) if qs[0] is not None else None)
 
-    def _boundary(self, step: int) -> None:
-        """Snapshot the ELB, pin predicted residents, prefetch the planner's incremental batch."""
-        everything = {layer: self.rt.om.num_experts for layer in self.layers}
-        ranked = self.elb.snapshot_plan(everything)  # every counted expert, by count; one D2H copy
-        plan = {layer: experts[: self.capacity[layer]] for layer, experts in ranked.items()}  # top-M
-        # A resident expert the draft routed to (count >= 1) is a likely verification hit: pin it, so
-        # the batch below can only replace experts without predicted demand.
-        for layer, experts in ranked.items():
+    def _boundary(self, step: int, trace: WindowTrace) -> None:
+        """Snapshot the ELB's top-M plan, keep its resident experts, prefetch the planner's batch."""
+        plan = self.elb.snapshot_plan(self.capacity)  # layer -> top-M counted experts; one D2H copy
+        for layer, experts in plan.items():
+            self._window_predicted[layer].update(experts)
+            # Pin only the residents the plan keeps: everything else may be replaced by the batch.
             resident, pending = self.cache.resident(layer), self.cache.pending_prefetches(layer)
             for expert in experts:
                 if expert in resident and expert not in pending:
                     self.cache.prefetch(ExpertUID(layer, expert))
-                    self._window_predicted[layer].add(expert)
         resident = {layer: self.cache.resident(layer) for layer in self.layers}
         pending = {layer: self.cache.pending_prefetches(layer) for layer in self.layers}
         decision = self.planner.on_boundary(step, plan, resident, pending, self.capacity)
         for layer, expert in decision.batch:
-            if self.cache.prefetch(ExpertUID(layer, expert)) is not None:  # None: every slot pinned
-                self._window_predicted[layer].add(expert)
+            if self.cache.prefetch(ExpertUID(layer, expert)) is None:  # every slot pinned: visible, not silent
+                trace.dropped_prefetches += 1
 
     def _oracle_prefetch(self, state: SequenceState, last: torch.Tensor, K: int) -> None:
         """Ablation upper bound: learn the target's true routes for this window with an untimed
@@ -165,10 +220,9 @@ class SpeculativeEngine:
         probe = SequenceState(state.cache, list(state.tokens), state.committed_kv)
         counts: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         tok = last
-        with _host_mode(self.moe):
-            for _ in range(K + 1):  # the K+1 verified positions of a fully accepted greedy window
-                self.route_log.begin_window()  # one window per position: counts = positions using an expert
-                tok = self._forward(tok, probe, "target")[-1].argmax().view(1, 1)
+        for _ in range(K + 1):  # the K+1 verified positions of a fully accepted greedy window
+            self.route_log.begin_window()  # one window per position: counts = positions using an expert
+            tok = self._forward(tok, probe, "target", host_compute=True)[-1].argmax().view(1, 1)
         probe.discard_extension()
         for window in self.route_log.windows:
             for layer, experts in window.items():
@@ -178,7 +232,8 @@ class SpeculativeEngine:
         for layer in self.layers:
             ranked = sorted(counts[layer], key=lambda e: (-counts[layer][e], e))[: self.capacity[layer]]
             for expert in ranked:
-                self.cache.prefetch(ExpertUID(layer, expert))
+                if self.cache.prefetch(ExpertUID(layer, expert)) is None:
+                    self.trace.dropped_prefetches += 1
             self._window_predicted[layer] |= set(ranked)
         self.clock.exclude(time.perf_counter() - start)  # the probe is not part of the measured run
 
@@ -192,31 +247,13 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------------------ metrics
     def _stats(self, trace: WindowTrace, link_busy_s: float) -> dict[str, Any]:
-        c = self.cache.snapshot_counters()
-        drafted, accepted = sum(trace.drafted), sum(trace.accepted)
-        oracle = oracle_bytes(self.rt, self.route_log)
+        io = io_stats(self.cache, link_busy_s)
         return {
             "K": self.K,
-            "accepted_tokens": accepted,
-            "drafted_tokens": drafted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_len": (accepted + len(trace.accepted)) / len(trace.accepted) if trace.accepted else None,
-            "h2d_bytes": int(c["h2d_bytes"]),
-            "demand_hits": int(c["demand_hits"]),
-            "demand_misses": int(c["demand_misses"]),
-            "copy_wait_ms": c["copy_wait_s"] * 1e3,
+            **acceptance_stats(trace.drafted, trace.accepted),
+            **io,
             "prefetch_precision": trace.predicted_hits / trace.predicted if trace.predicted else None,
             "prefetch_recall": trace.predicted_hits / trace.actual_capped if trace.predicted and trace.actual_capped else None,
-            "oracle_h2d_bytes": oracle,
-            "overlap_fraction": max(0.0, 1 - c["copy_wait_s"] / link_busy_s) if link_busy_s > 0 else None,
+            "dropped_prefetches": trace.dropped_prefetches,
+            "oracle_h2d_bytes": oracle_bytes(self.rt, self.route_log),
         }
-
-
-@contextmanager
-def _host_mode(moe):
-    """Compute target experts straight from the host store (no cache traffic, no counters)."""
-    moe.host_compute = True
-    try:
-        yield
-    finally:
-        moe.host_compute = False

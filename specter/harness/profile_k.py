@@ -33,25 +33,25 @@ def profile_k(cfg: DictConfig) -> Path:
     root = Path(cfg.output_dir)
     rows = []
     for K in sweep_values(cfg):
-        sub = OmegaConf.merge(cfg, {"K": K, "output_dir": str(root / f"K={K}"), "k_sweep": None})
+        sub = OmegaConf.merge(cfg, {"K": K, "output_dir": str(root / f"K={K}"), "experiment": "run"})
         out = run(sub)
         rec = pd.read_csv(out / "records.csv")
         rows.append({
             "K": K, "records": len(rec),
             "mean_tpot_ms": rec.tpot_ms.mean(), "median_tpot_ms": rec.tpot_ms.median(),
-            "mean_tpot_fair_ms": rec.tpot_fair_ms.mean(),
-            "acceptance_rate": rec.accepted_tokens.sum() / rec.drafted_tokens.sum(),
+            "accepted_fraction": rec.accepted_tokens.sum() / rec.drafted_tokens.sum(),
+            "acceptance_alpha": rec.acceptance_alpha.mean(),
             "mean_accepted_len": rec.mean_accepted_len.mean(),
             "h2d_mb_per_token": (rec.h2d_bytes / rec.new_tokens).mean() / 1e6,
         })
     table = pd.DataFrame(rows)
     table.to_csv(root / "k_sweep.csv", index=False)
     best = table.loc[table.mean_tpot_ms.idxmin()]
-    alpha = float(table.acceptance_rate.mean())
+    alpha = float(best.acceptance_alpha)  # α at the chosen K (α differs across K; never averaged over them)
     profile = {
         "model": cfg.model.name, "memory": cfg.memory.name, "hardware": cfg.hardware.name,
         "K": int(best.K), "mean_tpot_ms": float(best.mean_tpot_ms),
-        "mean_acceptance": alpha, "expected_accepted_run": alpha / (1 - alpha) if alpha < 1 else None,
+        "acceptance_alpha": alpha, "expected_accepted_run": alpha / (1 - alpha) if alpha < 1 else None,
         "swept": [int(k) for k in table.K],
     }
     (root / "k_profile.json").write_text(json.dumps(profile, indent=1))

@@ -1,8 +1,8 @@
 """GPTQ calibration for the draft: capture the hidden states the target routes to each expert,
 quantize, and cache the packed draft beside the model with a checksum.
 
-Calibration prompts come from the run's datasets, taken *after* the prompts that are evaluated
-(so the measured prompts never calibrate their own draft) when the dataset has enough of them.
+The caller chooses the calibration token batches and where the archive is cached (the harness
+takes prompts after the evaluated ones and keys the archive by the target weights' digest).
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
 
-from specter.models.tiny import specter_home
 from specter.quant.int4 import Int4ExpertLayer, Int4Experts
 
 
@@ -34,40 +32,11 @@ def capture_expert_inputs(rt, token_batches: list[torch.Tensor]) -> dict[int, li
             rows = (topk_idx == e).any(dim=-1)  # [T]
             captured[layer][e].append(x[rows].detach().float().cpu())
 
-    moe = rt.moe
-    moe.mode, moe.host_compute, moe.capture = "target", True, record
-    try:
-        with torch.inference_mode():
-            for ids in token_batches:
-                rt.model(input_ids=ids)
-    finally:
-        moe.host_compute, moe.capture = False, None
+    with rt.moe.mode("target", host_compute=True, capture=record), torch.inference_mode():
+        for ids in token_batches:
+            rt.model(input_ids=ids)
     H = rt.om.store.layout.hidden
     return {layer: [torch.cat(xs) if xs else torch.zeros(0, H) for xs in per] for layer, per in captured.items()}
-
-
-def calibration_batches(cfg: DictConfig, tokenizer, device, n_prompts: int, max_tokens: int = 128) -> list[torch.Tensor]:
-    from specter.harness.datasets import expand_datasets, load_prompts
-
-    batches = []
-    datasets = expand_datasets(cfg.dataset.name)
-    per = max(1, n_prompts // len(datasets))
-    for ds in datasets:
-        try:
-            texts = load_prompts(ds, cfg.num_prompts + per, cfg.assets_dir, allow_hub=cfg.allow_hub)
-        except ValueError:  # a small dataset: calibrate on the evaluated prompts themselves
-            texts = load_prompts(ds, cfg.num_prompts, cfg.assets_dir, allow_hub=cfg.allow_hub)
-        texts = texts[cfg.num_prompts:] or texts  # prefer prompts that are not evaluated
-        for text in texts[:per]:
-            ids = tokenizer(text, add_special_tokens=False).input_ids[:max_tokens]
-            if ids:
-                batches.append(torch.tensor([ids], device=device))
-    return batches
-
-
-def draft_cache_path(cfg: DictConfig, group_size: int, calib_digest: str) -> Path:
-    name = f"{cfg.model.name}{'-trained' if cfg.model.get('trained') else ''}"
-    return specter_home() / "drafts" / name / f"gptq-gs{group_size}-{calib_digest[:12]}.safetensors"
 
 
 def _sha256(path: Path) -> str:
@@ -114,15 +83,17 @@ def load_draft(path: Path) -> dict[int, Int4ExpertLayer]:
     return layers
 
 
-def gptq_draft(rt, cfg: DictConfig, tokenizer, group_size: int = 128) -> tuple[dict[int, Int4ExpertLayer], dict]:
-    """The GPTQ draft for this model and calibration set: from the cache, else quantized and cached."""
-    from specter.draft import layer_weights
+def calibration_digest(batches: list[torch.Tensor]) -> str:
+    """sha256 over the calibration token ids: part of the draft archive's cache key."""
+    return hashlib.sha256(b"|".join(b.cpu().numpy().tobytes() for b in batches)).hexdigest()
+
+
+def gptq_draft(rt, batches: list[torch.Tensor], path: Path,
+               group_size: int = 128) -> tuple[dict[int, Int4ExpertLayer], dict]:
+    """The GPTQ draft for these calibration batches: loaded from `path`, else quantized and saved there."""
+    from specter.quant.draft import layer_weights
     from specter.quant.gptq import gptq_quantize_experts
 
-    n = int(cfg.method.get("calibration_prompts", 16))
-    batches = calibration_batches(cfg, tokenizer, rt.cache.device, n)
-    digest = hashlib.sha256(b"|".join(b.cpu().numpy().tobytes() for b in batches)).hexdigest()
-    path = draft_cache_path(cfg, group_size, digest)
     if path.exists():
         return load_draft(path), {"draft_archive": str(path), "cached": True}
     inputs = capture_expert_inputs(rt, batches)

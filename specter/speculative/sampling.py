@@ -153,3 +153,15 @@ def verify_window(
     if q is None:
         raise ValueError("stochastic verification needs the draft probabilities q")
     return speculative_verify(draft_tokens, q, logits_to_probs(target_logits, params), generator)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Greedy argmax at temperature 0, else a sample from the filtered distribution."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    return sample(logits_to_probs(logits.float(), params), generator)
+
+
+def make_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A seeded generator on the device the sampling ops run on (CUDA ops reject a CPU generator)."""
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)

@@ -1,0 +1,96 @@
+"""make_figures: every figure and table from result CSVs (PNG + PDF, and each one's numbers as CSV + Markdown).
+
+    python make_figures.py                                  # default result set (below) -> figures/
+    python make_figures.py --results results/reference --figures /tmp/figs
+
+Default result set: results/ (less its quick/, reference/, paper/, logs/ and multirun/ folders) if
+it holds any result CSV; else results/quick/ (QUICK=1 reproduce runs); else results/reference/
+(the committed reference set). The paper's own numbers come from --paper (results/paper/).
+
+Outputs (missing inputs are skipped with a printed note, never drawn as placeholders):
+  fig07_k_sweep                  TPOT and acceptance vs K per model, chosen K marked   (k_sweep.csv)
+  fig09_planner_timeline         planner timeline of one window, Figs. 8/9 style       (trace.csv)
+  fig10_draft_kernel_latency     draft-kernel latency per backend                       (draft_kernel.csv)
+  fig11_draft_kernel_speedup     speedup of each backend over the unfused loop          (draft_kernel.csv)
+  fig13_routing                  per-window working sets and routing distances          (routes.csv)
+  fig14_tpot                     TPOT: models x tiers x datasets (+AVG) x methods       (records.csv)
+  table_headline_speedup         Specter's TPOT speedup over each method                (records.csv)
+  fig15_batch_tpot, fig16_batch_working_set, table3_batch, table_batch_scaling          (batch.csv)
+  io_vs_oracle                   H2D bytes against the oracle                           (records.csv)
+  verify_schedule                expert-wise vs token-wise verification                 (verify_schedule.csv)
+  paper_vs_here                  the paper's numbers beside ours, as ratios            (results/paper/*.csv)
+  index.md                       what was written and what was skipped, and why
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from pathlib import Path
+
+from specter.figures import (batching, draft_kernel, headline, io_oracle, k_sweep, paper_compare, routing, timeline,
+                             tpot_grid, verify_schedule)
+from specter.figures.common import Output, Skip
+from specter.figures.data import ResultSet, default_results
+
+FIGURES = (
+    ("Fig. 7 K sweep", k_sweep),
+    ("Figs. 8/9 planner timeline", timeline),
+    ("Figs. 10/11 draft kernel", draft_kernel),
+    ("Fig. 13 routing diversity", routing),
+    ("Fig. 14 TPOT grid", tpot_grid),
+    ("Headline speedups", headline),
+    ("Figs. 15/16 + Table 3 batching", batching),
+    ("I/O vs oracle", io_oracle),
+    ("Verification schedule", verify_schedule),
+    ("Paper vs here", paper_compare),
+)
+
+
+def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
+    repo = repo or Path.cwd()
+    doc = __doc__.split("\n\n")
+    ap = argparse.ArgumentParser(prog="make_figures.py", description=doc[0], epilog="\n\n".join(doc[1:]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=None,
+                    help="result set, searched recursively (default: see below)")
+    ap.add_argument("--figures", type=Path, default=repo / "figures", help="output folder (default: figures/)")
+    ap.add_argument("--paper", type=Path, default=repo / "results" / "paper",
+                    help="the paper's typed numbers (default: results/paper/)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                    help="build only these (module names: " + ", ".join(m.__name__.rsplit('.', 1)[1] for _, m in FIGURES) + ")")
+    ap.add_argument("--dpi", type=int, default=150)
+    args = ap.parse_args(argv)
+    results_dir = args.results or default_results(repo)
+    print(f"results: {results_dir}{'' if args.results else ' (default)'}  ->  figures: {args.figures}")
+    if not results_dir.is_dir():
+        print(f"note: {results_dir} does not exist; every figure will be skipped")
+    args.figures.mkdir(parents=True, exist_ok=True)
+    results = ResultSet(results_dir, args.paper)
+    out = Output(args.figures, dpi=args.dpi)
+    index = [f"# Figures from `{results_dir}`", "", "| figure | status | files |", "|---|---|---|"]
+    failed = 0
+    for title, module in FIGURES:
+        name = module.__name__.rsplit(".", 1)[1]
+        if args.only and name not in args.only:
+            continue
+        before = len(out.written)
+        start = time.perf_counter()
+        try:
+            module.build(results, out)
+            files = sorted({p.stem for p in out.written[before:]})
+            status = "written" if files else "nothing to draw"
+            print(f"{title}: {', '.join(files) or 'nothing written'} ({time.perf_counter() - start:.1f}s)")
+        except Skip as note:
+            status, files = f"skipped: {note}", []
+            print(f"{title}: skipped: {note}")
+        except Exception as err:  # one broken input must not hide every other figure
+            failed += 1
+            status, files = f"FAILED: {type(err).__name__}: {err}", []
+            print(f"{title}: FAILED")
+            traceback.print_exc()
+        index.append(f"| {title} | {status} | {', '.join(files)} |")
+    (args.figures / "index.md").write_text("\n".join(index) + "\n")
+    print(f"{len(out.written)} files in {args.figures}/ (index.md lists them)")
+    return 1 if failed else 0

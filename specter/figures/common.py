@@ -1,0 +1,168 @@
+"""Shared pieces of every figure: the palette, display names, and the writer of PNG/PDF/CSV/Markdown.
+
+Only pandas, numpy and matplotlib are imported here (and in every module of this package), so
+figures can be drawn from an unpacked artifact without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+
+class Skip(Exception):
+    """A figure has no input; the message names what it looked for."""
+
+
+# Methods the paper compares, in its order; any other method found in the data follows, sorted.
+KNOWN_METHODS = ("specter", "specmoeoff", "moe_spec", "mo_sm", "mo_sc", "offload_ar", "vllm",
+                 "transformers", "llamacpp", "target_only")
+METHOD_LABELS = {
+    "specter": "Specter", "specmoeoff": "SpecMoEOff", "moe_spec": "MoE-Spec", "mo_sm": "MO-SM",
+    "mo_sc": "MO-SC", "offload_ar": "Offload-AR", "vllm": "vLLM", "transformers": "Transformers",
+    "llamacpp": "llama.cpp", "target_only": "Target only",
+}
+# A colour-blind-safe qualitative palette (Okabe–Ito first, then Tableau), one colour per method.
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000",
+           "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#9467BD", "#FF9896", "#AEC7E8", "#98DF8A")
+# The paper's dataset abbreviations and order (GK, WT, HE, GP, C4), then AVG.
+DATASET_LABELS = {"gsm8k": "GK", "wikitext2": "WT", "humaneval": "HE", "gpqa": "GP", "c4": "C4", "AVG": "AVG"}
+TIER_ORDER = ("high", "low")
+MODEL_ORDER = ("dsv2", "qwen15moe", "phi35moe", "tiny_dsv2", "tiny_qwen", "tiny_phi")
+REAL_OF_TINY = {"tiny_dsv2": "dsv2", "tiny_qwen": "qwen15moe", "tiny_phi": "phi35moe"}
+MODEL_LABELS = {"dsv2": "DeepSeek-V2-Lite", "qwen15moe": "Qwen1.5-MoE", "phi35moe": "Phi-3.5-MoE"}
+
+
+def base_method(label: str) -> str:
+    """'specter[prefetch=none]' -> 'specter'."""
+    return str(label).split("[", 1)[0]
+
+
+def order_methods(labels: Iterable[str]) -> list[str]:
+    """Known methods in the paper's order, variants right after their method, unknown ones sorted."""
+    def key(label: str):
+        base = base_method(label)
+        rank = KNOWN_METHODS.index(base) if base in KNOWN_METHODS else len(KNOWN_METHODS)
+        return (rank, base, label != base, label)
+    return sorted(set(map(str, labels)), key=key)
+
+
+def method_colors(labels: Iterable[str]) -> dict[str, str]:
+    """One colour per label, stable for a given set: assigned in `order_methods` order."""
+    ordered = order_methods(labels)
+    return {label: PALETTE[i % len(PALETTE)] for i, label in enumerate(ordered)}
+
+
+def method_label(label: str) -> str:
+    base = base_method(label)
+    return METHOD_LABELS.get(base, base) + str(label)[len(base):]
+
+
+def order_datasets(names: Iterable[str]) -> list[str]:
+    known = [d for d in DATASET_LABELS if d != "AVG"]
+    names = set(map(str, names))
+    return [d for d in known if d in names] + sorted(names - set(known) - {"AVG"}) + (["AVG"] if "AVG" in names else [])
+
+
+def dataset_label(name: str) -> str:
+    return DATASET_LABELS.get(name, name)
+
+
+def order_models(names: Iterable[str]) -> list[str]:
+    names = set(map(str, names))
+    return [m for m in MODEL_ORDER if m in names] + sorted(names - set(MODEL_ORDER))
+
+
+def model_label(name: str) -> str:
+    return MODEL_LABELS.get(name, name)
+
+
+def order_tiers(names: Iterable[str]) -> list[str]:
+    names = set(map(str, names))
+    return [t for t in TIER_ORDER if t in names] + sorted(names - set(TIER_ORDER))
+
+
+def style_axes(ax, title: str | None = None, xlabel: str | None = None, ylabel: str | None = None) -> None:
+    if title:
+        ax.set_title(title, fontsize=10, loc="left", fontweight="bold")
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3, linewidth=0.6)
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+
+
+def legend_above(fig, handles, labels, ncol: int | None = None) -> None:
+    """One legend for the whole figure, above the panels (never over the data)."""
+    ncol = ncol or min(len(labels), 6)
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=ncol, frameon=False,
+               fontsize=8)
+
+
+def subplots(nrows: int, ncols: int, w: float = 3.6, h: float = 2.8, **kw):
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols + 0.6, h * nrows + 0.4), squeeze=False, **kw)
+    return fig, axes
+
+
+def markdown_table(df: pd.DataFrame, floatfmt: str = ".4g") -> str:
+    """A GitHub-flavoured Markdown table (no extra dependency)."""
+    def cell(v) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return ""
+        if isinstance(v, (float, np.floating)):
+            return format(float(v), floatfmt)
+        if isinstance(v, (bool, np.bool_)):
+            return "yes" if v else ""
+        return str(v).replace("|", "\\|")
+    cols = [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+@dataclass
+class Output:
+    """Where one make_figures call writes; remembers every file it wrote."""
+
+    folder: Path
+    dpi: int = 150
+    written: list[Path] = field(default_factory=list)
+
+    def figure(self, fig, name: str) -> None:
+        for ext in ("png", "pdf"):
+            path = self.folder / f"{name}.{ext}"
+            fig.savefig(path, dpi=self.dpi, bbox_inches="tight", metadata=_metadata(ext))
+            self.written.append(path)
+        plt.close(fig)
+
+    def table(self, df: pd.DataFrame, name: str, title: str, notes: Sequence[str] = (),
+              floatfmt: str = ".4g") -> pd.DataFrame:
+        csv = self.folder / f"{name}.csv"
+        df.to_csv(csv, index=False)
+        md = self.folder / f"{name}.md"
+        body = [f"### {title}", "", *[f"{n}" for n in notes], *([""] if notes else []), markdown_table(df, floatfmt), ""]
+        md.write_text("\n".join(body))
+        self.written += [csv, md]
+        return df
+
+
+def _metadata(ext: str) -> dict:
+    # no creation dates: the same CSVs give byte-identical PDFs (and stable checksums)
+    return {"CreationDate": None} if ext == "pdf" else {}
+
+
+def percentile(values: pd.Series, q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), NaN for an empty series."""
+    v = pd.to_numeric(values, errors="coerce").dropna().to_numpy()
+    return float(np.percentile(v, q)) if len(v) else float("nan")

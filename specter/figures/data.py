@@ -1,0 +1,231 @@
+"""Finding and reading result CSVs: records, K sweeps, kernel benchmarks, routes, batches, traces.
+
+A *result set* is a folder searched recursively. Inside it:
+
+  records.csv          one row per generated sequence (specter/harness/records.py), beside the run's
+                       config.yaml; records under a `K=<k>` folder are K-sweep points (read through
+                       k_sweep.csv) and records under a `bench` folder are side benchmarks (prefetch
+                       ablations), kept apart from the main grid
+  k_sweep.csv          one row per K (+ k_profile.json: the chosen K)
+  draft_kernel*.csv    draft-kernel benchmark (scripts/bench_draft_kernel.py)
+  verify_schedule.csv  expert-wise vs token-wise verification (scripts/bench_verify.py)
+  routes.csv           dataset,prompt_index,repeat,window,layer,expert,count
+  batch.csv            method,model,memory,batch_size,dataset,tpot_median_ms,tpot_p90_ms,
+                       throughput_tok_s,distinct_experts_per_layer,h2d_bytes_per_token,acceptance
+  trace.csv            window,event,layer,expert,start_ms,end_ms,bytes,phase
+
+Missing or extra columns are tolerated: a figure uses what it needs and skips with a note otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from specter.figures.common import REAL_OF_TINY
+
+INPUT_NAMES = ("records.csv", "k_sweep.csv", "draft_kernel*.csv", "verify_schedule.csv", "routes.csv",
+               "batch.csv", "trace.csv")
+# Folders directly under results/ that hold other result sets (or no results at all).
+SET_ASIDE = ("reference", "paper", "logs", "multirun", "quick")
+
+
+def has_inputs(root: Path, set_aside: tuple[str, ...] = ()) -> bool:
+    return any(True for _ in _walk(root, INPUT_NAMES, set_aside))
+
+
+def default_results(repo: Path) -> Path:
+    """results/ (less its set-aside folders) if it holds a result CSV, else results/quick, else
+    results/reference."""
+    results = repo / "results"
+    if results.is_dir() and has_inputs(results, SET_ASIDE):
+        return results
+    if has_inputs(results / "quick"):
+        return results / "quick"
+    return results / "reference"
+
+
+def _walk(root: Path, patterns: tuple[str, ...], set_aside: tuple[str, ...] = ()):
+    if not root.is_dir():
+        return
+    for pattern in patterns:
+        for path in sorted(root.rglob(pattern)):
+            rel = path.relative_to(root).parts
+            if rel and rel[0] in set_aside and len(rel) > 1:
+                continue
+            yield path
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """config.yaml as a dict (PyYAML when installed; else a reader of the nested-mapping subset)."""
+    text = path.read_text()
+    try:
+        import yaml
+
+        return yaml.safe_load(text) or {}
+    except ImportError:
+        return _mini_yaml(text)
+
+
+def _mini_yaml(text: str) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    stack: list[tuple[int, dict]] = [(-1, root)]
+    for raw in text.splitlines():
+        line = raw.split(" #", 1)[0].rstrip()
+        if not line.strip() or line.lstrip().startswith(("#", "- ")) or ":" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        key, _, value = line.strip().partition(":")
+        while stack[-1][0] >= indent:
+            stack.pop()
+        parent = stack[-1][1]
+        value = value.strip()
+        if value == "":
+            parent[key] = {}
+            stack.append((indent, parent[key]))
+        else:
+            parent[key] = _scalar(value)
+    return root
+
+
+def _scalar(value: str):
+    if value in ("null", "~"):
+        return None
+    if value in ("true", "false"):
+        return value == "true"
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value.strip("'\"")
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class ResultSet:
+    """One folder of results, read lazily; `paper` is the folder of the paper's typed numbers."""
+
+    def __init__(self, root: Path, paper: Path | None = None):
+        self.root = Path(root)
+        self.paper = Path(paper) if paper is not None else None
+
+    def files(self, *patterns: str) -> list[Path]:
+        return list(_walk(self.root, patterns))
+
+    @lru_cache(maxsize=None)
+    def config(self, folder: Path) -> dict[str, Any]:
+        path = Path(folder) / "config.yaml"
+        return read_yaml(path) if path.exists() else {}
+
+    def family(self, model: str, folder: Path | None = None) -> str:
+        """The real model a (tiny) model mirrors: model.real from config.yaml, else a name map."""
+        if folder is not None:
+            real = (self.config(folder).get("model") or {}).get("real")
+            if real:
+                return str(real)
+        return REAL_OF_TINY.get(model, model)
+
+    # ------------------------------------------------------------ records
+
+    @lru_cache(maxsize=None)
+    def _all_records(self) -> pd.DataFrame:
+        frames = []
+        for path in self.files("records.csv"):
+            rel = path.parent.relative_to(self.root).parts
+            if any(p.startswith("K=") for p in rel):
+                continue  # K-sweep points: read through k_sweep.csv
+            try:
+                df = pd.read_csv(path)
+            except (pd.errors.EmptyDataError, pd.errors.ParserError):
+                print(f"note: {path} could not be read; ignored")
+                continue
+            if df.empty or "method" not in df.columns or "tpot_ms" not in df.columns:
+                continue
+            cfg = self.config(path.parent)
+            for col, key in (("model", "model"), ("memory", "memory"), ("dataset", "dataset")):
+                if col not in df.columns:
+                    df[col] = (cfg.get(key) or {}).get("name")
+            if "hardware" not in df.columns:
+                df["hardware"] = (cfg.get("hardware") or {}).get("name")
+            if "repeat" not in df.columns:
+                df["repeat"] = 0
+            df["run"] = str(path.parent.relative_to(self.root)) or "."
+            df["source"] = "bench" if "bench" in rel else "main"
+            df["family"] = [self.family(str(m), path.parent) for m in df["model"]]
+            method_cfg = {k: v for k, v in flatten(cfg.get("method") or {}).items() if k != "name"}
+            df["_method_cfg"] = json.dumps(method_cfg, sort_keys=True, default=str)
+            frames.append(df)
+        if not frames:
+            return pd.DataFrame()
+        records = pd.concat(frames, ignore_index=True)
+        for col in ("tpot_ms", "tpot_fair_ms", "ttft_ms", "e2e_ms", "new_tokens", "accepted_tokens",
+                    "drafted_tokens", "acceptance_rate", "h2d_bytes", "oracle_h2d_bytes", "K"):
+            if col in records.columns:
+                records[col] = pd.to_numeric(records[col], errors="coerce")
+        records["variant"] = records["method"].astype(str)
+        for source in records["source"].unique():
+            sel = records["source"] == source
+            records.loc[sel, "variant"] = variant_labels(records.loc[sel])
+        return records.drop(columns="_method_cfg")
+
+    def records(self, source: str = "main") -> pd.DataFrame:
+        """Records of the main grid ('main'), of side benchmarks ('bench') or all ('all')."""
+        df = self._all_records()
+        if df.empty or source == "all":
+            return df
+        return df[df["source"] == source].reset_index(drop=True)
+
+    # ------------------------------------------------------------ other inputs
+
+    def csvs(self, pattern: str) -> list[tuple[Path, pd.DataFrame]]:
+        out = []
+        for path in self.files(pattern):
+            try:
+                df = pd.read_csv(path)
+            except (pd.errors.EmptyDataError, pd.errors.ParserError):
+                print(f"note: {path} could not be read; ignored")
+                continue
+            if not df.empty:
+                out.append((path, df))
+        return out
+
+    def run_info(self, folder: Path) -> dict[str, Any]:
+        """model / memory / method / hardware of a run folder, from its config.yaml."""
+        cfg = self.config(folder)
+        name = lambda key: (cfg.get(key) or {}).get("name") if isinstance(cfg.get(key), dict) else cfg.get(key)  # noqa: E731
+        model = name("model")
+        return {"model": model, "memory": name("memory"), "method": name("method"), "hardware": name("hardware"),
+                "family": self.family(str(model), folder) if model else None,
+                "run": str(Path(folder).relative_to(self.root)) if Path(folder).is_relative_to(self.root) else str(folder)}
+
+
+def variant_labels(records: pd.DataFrame) -> pd.Series:
+    """Method name, plus the method settings that differ between runs of that method.
+
+    specter runs that differ only in method.prefetch become 'specter[prefetch=none]' etc.; a method
+    with a single configuration keeps its bare name. Nothing is hard-coded per method.
+    """
+    labels = records["method"].astype(str).copy()
+    for method, group in records.groupby("method"):
+        cfgs = {c: json.loads(c) for c in group["_method_cfg"].unique()}
+        if len(cfgs) < 2:
+            continue
+        keys = sorted({k for c in cfgs.values() for k in c})
+        varying = [k for k in keys if len({json.dumps(c.get(k), default=str) for c in cfgs.values()}) > 1]
+        for raw, c in cfgs.items():
+            suffix = ",".join(f"{k}={c.get(k)}" for k in varying)
+            labels[group.index[group["_method_cfg"] == raw]] = f"{method}[{suffix}]"
+    return labels

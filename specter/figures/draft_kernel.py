@@ -1,0 +1,125 @@
+"""Figs. 10/11: draft MoE kernel backends (latency against tokens; speedup of each backend).
+
+Input: `draft_kernel*.csv` from scripts/bench_draft_kernel.py, in either layout:
+  wide  one row per case (device, dtype, H, I, E, k, T) and one `<backend>_ms` column per backend
+  long  columns backend and ms (or median_ms) per case
+Every backend and shape in the CSV is drawn; none is named here.
+
+Fig. 10  median latency (ms) against the tokens per call T, one line per backend, one panel per
+         case (device, dtype, H×I, E experts, top-k)
+Fig. 11  speedup of every backend over the unfused INT4 loop (`unfused`; else `reference`; else
+         the slowest backend), geometric mean over the E/top-k cases of each H×I
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from specter.figures.common import PALETTE, Output, Skip, legend_above, style_axes, subplots
+from specter.figures.data import ResultSet
+
+NAME10 = "fig10_draft_kernel_latency"
+NAME11 = "fig11_draft_kernel_speedup"
+CASE = ["device", "dtype", "H", "I", "E", "k"]
+BASELINES = ("unfused", "reference")
+
+
+def long_table(results: ResultSet) -> pd.DataFrame:
+    frames = []
+    for path, df in results.csvs("draft_kernel*.csv"):
+        if {"backend"} <= set(df.columns) and ({"ms"} & set(df.columns) or {"median_ms"} & set(df.columns)):
+            d = df.rename(columns={"median_ms": "ms"})
+        else:
+            backends = [c for c in df.columns if c.endswith("_ms")]
+            if not backends or "T" not in df.columns:
+                print(f"note: {path} has no <backend>_ms or backend/ms columns; ignored")
+                continue
+            keep = [c for c in df.columns if c in CASE + ["T"]]
+            d = df.melt(id_vars=keep, value_vars=backends, var_name="backend", value_name="ms")
+            d["backend"] = d["backend"].str[: -len("_ms")]
+        for col in CASE:
+            if col not in d.columns:
+                d[col] = "" if col in ("device", "dtype") else 0
+        frames.append(d[CASE + ["T", "backend", "ms"]])
+    if not frames:
+        return pd.DataFrame()
+    table = pd.concat(frames, ignore_index=True)
+    table["ms"] = pd.to_numeric(table["ms"], errors="coerce")
+    table = table.dropna(subset=["ms"])
+    table = table.groupby(CASE + ["T", "backend"], as_index=False)["ms"].median()
+    return table.sort_values(CASE + ["T", "backend"]).reset_index(drop=True)
+
+
+def speedup_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    backends = sorted(table["backend"].unique())
+    baseline = next((b for b in BASELINES if b in backends), None)
+    if baseline is None:
+        baseline = table.groupby("backend")["ms"].median().idxmax()
+    wide = table.pivot_table(index=CASE + ["T"], columns="backend", values="ms")
+    ratios = wide.rdiv(wide[baseline], axis=0)  # baseline_ms / backend_ms
+    long = ratios.reset_index().melt(id_vars=CASE + ["T"], var_name="backend", value_name="speedup").dropna()
+    long = long[long["backend"] != baseline]
+    group = ["device", "dtype", "H", "I", "T", "backend"]
+    agg = long.groupby(group, as_index=False)["speedup"].agg(
+        speedup_geomean=lambda s: float(np.exp(np.log(s).mean())), speedup_min="min", speedup_max="max", cases="size")
+    return agg.sort_values(group).reset_index(drop=True), baseline
+
+
+def build(results: ResultSet, out: Output) -> None:
+    table = long_table(results)
+    if table.empty:
+        raise Skip("no draft_kernel.csv (python scripts/bench_draft_kernel.py)")
+    backends = sorted(table["backend"].unique())
+    colors = {b: PALETTE[i % len(PALETTE)] for i, b in enumerate(backends)}
+    out.table(table, NAME10, "Fig. 10: draft MoE latency per backend (median ms per call)",
+              notes=["H×I: expert hidden × intermediate size; E experts, top-k routing, T tokens per call."])
+    cases = table[CASE].drop_duplicates().sort_values(CASE).itertuples(index=False)
+    cases = list(cases)
+    rows = sorted({(c.device, c.dtype, c.H, c.I) for c in cases})
+    cols = sorted({(c.E, c.k) for c in cases})
+    fig, axes = subplots(len(rows), len(cols), w=2.6, h=2.2, sharey="row")
+    for r, (dev, dt, h, i) in enumerate(rows):
+        for c, (e, k) in enumerate(cols):
+            ax = axes[r][c]
+            d = table[(table.device == dev) & (table.dtype == dt) & (table.H == h) & (table.I == i)
+                      & (table.E == e) & (table.k == k)]
+            if d.empty:
+                ax.set_axis_off()
+                continue
+            for b, g in d.groupby("backend"):
+                ax.plot(g["T"], g["ms"], marker="o", ms=3, lw=1.2, color=colors[b])
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            style_axes(ax, f"{dev} {dt} {h}×{i}, E={e}, top-{k}".strip(), xlabel="tokens per call T",
+                       ylabel="latency (ms)" if c == 0 else None)
+            ax.title.set_fontsize(8)
+    legend_above(fig, [Line2D([], [], color=colors[b], marker="o") for b in backends], backends)
+    fig.tight_layout()
+    out.figure(fig, NAME10)
+
+    speed, baseline = speedup_table(table)
+    if speed.empty:
+        print(f"{NAME11}: skipped: only one backend ({baseline}) in the CSV")
+        return
+    out.table(speed, NAME11, f"Fig. 11: speedup over the `{baseline}` backend (geometric mean over E/top-k cases)",
+              notes=[f"speedup = {baseline}_ms / backend_ms; > 1: the backend is faster."])
+    panels = sorted({(d, t, h, i) for d, t, h, i in speed[["device", "dtype", "H", "I"]].itertuples(index=False)})
+    fig, axes = subplots(1, len(panels), w=3.4, h=2.6)
+    others = [b for b in backends if b != baseline]
+    for ax, (dev, dt, h, i) in zip(axes[0], panels):
+        d = speed[(speed.device == dev) & (speed.dtype == dt) & (speed.H == h) & (speed.I == i)]
+        ts = sorted(d["T"].unique())
+        width = 0.8 / max(1, len(others))
+        for j, b in enumerate(others):
+            g = d[d["backend"] == b].set_index("T")
+            xs = [x + (j - (len(others) - 1) / 2) * width for x, t in enumerate(ts) if t in g.index]
+            ax.bar(xs, [g.loc[t, "speedup_geomean"] for t in ts if t in g.index], width=width, color=colors[b])
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xticks(range(len(ts)), [str(int(t)) for t in ts])
+        style_axes(ax, f"{dev} {dt} {h}×{i}".strip(), xlabel="tokens per call T", ylabel=f"speedup over {baseline} (×)")
+    legend_above(fig, [Patch(color=colors[b]) for b in others], others)
+    fig.tight_layout()
+    out.figure(fig, NAME11)

@@ -1,0 +1,51 @@
+"""H2D traffic against the perfect-knowledge (Belady) oracle, per model, tier and method variant.
+
+Input: records with h2d_bytes and oracle_h2d_bytes. Side benchmarks (results/bench: the prefetch
+ablations) are used when present, else the main grid. ratio = sum(h2d_bytes) / sum(oracle_h2d_bytes).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from matplotlib.patches import Patch
+
+from specter.figures.common import (Output, Skip, legend_above, method_colors, method_label, model_label,
+                                    order_methods, order_models, order_tiers, style_axes, subplots)
+from specter.figures.data import ResultSet
+
+NAME = "io_vs_oracle"
+
+
+def build(results: ResultSet, out: Output) -> None:
+    records = results.records("bench")
+    if records.empty or "oracle_h2d_bytes" not in records or records["oracle_h2d_bytes"].isna().all():
+        records = results.records("main")
+    if records.empty or "oracle_h2d_bytes" not in records or records["oracle_h2d_bytes"].isna().all():
+        raise Skip("no record has oracle_h2d_bytes")
+    sub = records.dropna(subset=["oracle_h2d_bytes", "h2d_bytes"])
+    g = sub.groupby(["model", "memory", "variant"])
+    table = pd.DataFrame({"h2d_bytes": g["h2d_bytes"].sum(), "oracle_h2d_bytes": g["oracle_h2d_bytes"].sum(),
+                          "tokens": g["new_tokens"].sum() if "new_tokens" in sub else None}).reset_index()
+    table["ratio"] = table["h2d_bytes"] / table["oracle_h2d_bytes"].where(table["oracle_h2d_bytes"] > 0)
+    table = table.rename(columns={"variant": "method"})
+    out.table(table, NAME, "H2D bytes relative to the perfect-knowledge oracle (sum over records)",
+              notes=["ratio = h2d_bytes / oracle_h2d_bytes; 1 = as few bytes as an oracle with a perfect future."])
+    variants = order_methods(table["method"])
+    colors = method_colors(variants)
+    models = order_models(table["model"])
+    fig, axes = subplots(1, len(models), w=3.6, h=2.8)
+    for ax, model in zip(axes[0], models):
+        d = table[table["model"] == model]
+        tiers = order_tiers(d["memory"])
+        present = [v for v in variants if v in set(d["method"])]
+        width = 0.8 / max(1, len(present))
+        for i, v in enumerate(present):
+            e = d[d["method"] == v].set_index("memory")
+            xs = [j + (i - (len(present) - 1) / 2) * width for j, t in enumerate(tiers) if t in e.index]
+            ax.bar(xs, [e.loc[t, "ratio"] for t in tiers if t in e.index], width=width, color=colors[v])
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
+        style_axes(ax, model_label(model), ylabel="H2D bytes / oracle bytes")
+    legend_above(fig, [Patch(color=colors[v]) for v in variants], [method_label(v) for v in variants])
+    fig.tight_layout()
+    out.figure(fig, NAME)

@@ -1,0 +1,104 @@
+"""Fig. 7: mean TPOT and acceptance rate against the speculation depth K, per model; chosen K marked.
+
+Input: every `k_sweep.csv` (K, mean_tpot_ms, acceptance_rate, ...) with its `k_profile.json`
+(model, memory, hardware, chosen K) beside it. Without the profile the chosen K is the K of lowest
+mean TPOT (the paper's rule) and model/memory come from a K=<k>/config.yaml or the folder name
+`<model>-<memory>-<hardware>`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.lines import Line2D
+
+from specter.figures.common import (TIER_ORDER, Output, Skip, legend_above, model_label, order_models, style_axes,
+                                    subplots)
+from specter.figures.data import ResultSet
+
+NAME = "fig07_k_sweep"
+TITLE = "Fig. 7: K profiling — mean TPOT and acceptance against K (chosen K = lowest mean TPOT)"
+TIER_COLORS = {"high": "#0072B2", "low": "#D55E00"}
+EXTRA_COLORS = ("#009E73", "#CC79A7", "#E69F00", "#56B4E9")
+
+
+def sweep_info(results: ResultSet, path: Path, df: pd.DataFrame) -> dict:
+    folder = path.parent
+    profile = folder / "k_profile.json"
+    info: dict = json.loads(profile.read_text()) if profile.exists() else {}
+    if not info.get("model"):
+        sub = sorted(folder.glob("K=*/config.yaml"))
+        if sub:
+            info.update({k: v for k, v in results.run_info(sub[0].parent).items() if v and k in ("model", "memory", "hardware")})
+    if not info.get("model"):
+        parts = folder.name.rsplit("-", 2)
+        info.update(dict(zip(("model", "memory", "hardware"), parts)) if len(parts) == 3 else {"model": folder.name})
+    if "K" not in info:
+        info["K"] = int(df.loc[df["mean_tpot_ms"].idxmin(), "K"])
+    return info
+
+
+def sweep_table(results: ResultSet) -> pd.DataFrame:
+    frames = []
+    for path, df in results.csvs("k_sweep.csv"):
+        if not {"K", "mean_tpot_ms"} <= set(df.columns):
+            print(f"note: {path} lacks K/mean_tpot_ms; ignored")
+            continue
+        info = sweep_info(results, path, df)
+        df = df.assign(model=info.get("model"), memory=info.get("memory") or "", hardware=info.get("hardware") or "",
+                       chosen=df["K"] == info["K"])
+        frames.append(df)
+    if not frames:
+        return pd.DataFrame()
+    table = pd.concat(frames, ignore_index=True)
+    lead = ["model", "memory", "hardware", "K", "chosen", "mean_tpot_ms"]
+    cols = lead + [c for c in ("median_tpot_ms", "mean_tpot_fair_ms", "acceptance_rate", "mean_accepted_len",
+                               "h2d_mb_per_token", "records") if c in table.columns]
+    table["_m"] = table["model"].map({m: i for i, m in enumerate(order_models(table["model"]))})
+    return table.sort_values(["_m", "memory", "hardware", "K"])[cols].reset_index(drop=True)
+
+
+def build(results: ResultSet, out: Output) -> None:
+    table = sweep_table(results)
+    if table.empty:
+        raise Skip("no k_sweep.csv (python run.py experiment=k_sweep ...)")
+    out.table(table, NAME, TITLE, notes=["chosen: the K that k_profile.json recorded (lowest mean TPOT)."])
+    models = order_models(table["model"])
+    has_acc = "acceptance_rate" in table.columns and table["acceptance_rate"].notna().any()
+    fig, axes = subplots(2 if has_acc else 1, len(models), w=3.4, h=2.5, sharex="col")
+    series = sorted({(m, h) for m, h in zip(table["memory"], table["hardware"])},
+                    key=lambda t: (TIER_ORDER.index(t[0]) if t[0] in TIER_ORDER else len(TIER_ORDER), t))
+    colors = {s: TIER_COLORS.get(s[0], EXTRA_COLORS[i % len(EXTRA_COLORS)]) for i, s in enumerate(series)}
+    for c, model in enumerate(models):
+        for s in series:
+            d = table[(table["model"] == model) & (table["memory"] == s[0]) & (table["hardware"] == s[1])]
+            if d.empty:
+                continue
+            color = colors[s]
+            ax = axes[0][c]
+            ax.plot(d["K"], d["mean_tpot_ms"], marker="o", ms=3.5, color=color, lw=1.4)
+            best = d[d["chosen"]]
+            ax.scatter(best["K"], best["mean_tpot_ms"], s=140, marker="*", color=color, edgecolors="black",
+                       linewidths=0.6, zorder=5)
+            for k, y in zip(best["K"], best["mean_tpot_ms"]):
+                ax.annotate(f"K={int(k)}", (k, y), textcoords="offset points", xytext=(0, 8), ha="center",
+                            fontsize=7, color=color)
+            if has_acc:
+                axes[1][c].plot(d["K"], d["acceptance_rate"], marker="o", ms=3.5, color=color, lw=1.4)
+                axes[1][c].scatter(best["K"], best["acceptance_rate"], s=140, marker="*", color=color,
+                                   edgecolors="black", linewidths=0.6, zorder=5)
+        style_axes(axes[0][c], model_label(model), ylabel="mean TPOT (ms/token)" if c == 0 else None)
+        if has_acc:
+            style_axes(axes[1][c], None, xlabel="speculation depth K", ylabel="acceptance rate" if c == 0 else None)
+        else:
+            axes[0][c].set_xlabel("speculation depth K")
+        ks = sorted(table.loc[table["model"] == model, "K"].unique())
+        axes[-1][c].set_xticks(ks, [str(int(k)) for k in ks], fontsize=7)
+    handles = [Line2D([], [], color=colors[s], marker="o", lw=1.4) for s in series]
+    handles.append(Line2D([], [], color="black", marker="*", lw=0, ms=10))
+    labels = [f"{m} memory ({h})" if h else f"{m} memory" for m, h in series] + ["chosen K"]
+    legend_above(fig, handles, labels)
+    fig.tight_layout()
+    out.figure(fig, NAME)

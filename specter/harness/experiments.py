@@ -1,0 +1,35 @@
+"""What `python run.py` does, chosen explicitly by the `experiment` key (never inferred)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from omegaconf import DictConfig
+
+from specter.harness.config import ConfigError
+
+
+def _run(cfg: DictConfig):
+    from specter.harness.run import run
+
+    return run(cfg)
+
+
+def _k_sweep(cfg: DictConfig):
+    from specter.harness.profile_k import profile_k
+
+    return profile_k(cfg)
+
+
+EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep}
+
+
+def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:
+    EXPERIMENTS[name] = fn
+
+
+def run_experiment(cfg: DictConfig):
+    kind = cfg.experiment
+    if kind not in EXPERIMENTS:
+        raise ConfigError(f"unknown experiment={kind!r}; choose one of {sorted(EXPERIMENTS)}")
+    return EXPERIMENTS[kind](cfg)

@@ -1,0 +1,154 @@
+"""Typed schema of the run configuration (Hydra structured configs).
+
+Every YAML file under conf/ is merged onto one of these dataclasses, so a misspelt key or a
+value of the wrong type (`temperature=abc`, `hardware.threads=x`) fails at composition with
+Hydra's own one-line message, before anything loads. `???` marks values a user must give.
+Choices (datasets, links, dtypes, policies, ...) are listed once, in the engine module that
+implements them, and checked by `specter.harness.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class TierConfig:
+    resident_experts: int = MISSING  # M: device slots per MoE layer
+    budget_gb: Optional[float] = None  # device budget of a real model (GB)
+    budget_fraction: Optional[float] = None  # tiny models: budget as a fraction of the full footprint
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    source: str = MISSING  # "tiny" (built locally) | "hub" (real weights)
+    num_experts: int = MISSING
+    top_k: int = MISSING
+    K: int = MISSING  # the model's default speculation depth (the paper's profiled K)
+    context_length: int = MISSING
+    load_ratio: float = MISSING  # (one expert load over the real link) / (one layer's draft step)
+    tiers: dict[str, TierConfig] = field(default_factory=dict)
+    trained: bool = False  # tiny models: the briefly trained variant
+    real: Optional[str] = None  # tiny models: the real model mirrored
+    hf_id: Optional[str] = None
+    revision: Optional[str] = None
+    local_dir: Optional[str] = None
+
+
+@dataclass
+class MemoryConfig:
+    name: str = MISSING
+    budget_mb: Optional[float] = None  # overrides the model's tier budget
+    resident_experts: Optional[int] = None  # overrides the model's tier M
+
+
+@dataclass
+class DatasetConfig:
+    name: str = MISSING
+
+
+@dataclass
+class HardwareConfig:
+    name: str = MISSING
+    device: str = MISSING  # torch device: cpu | cuda
+    dtype: str = MISSING  # float32 | float16 | bfloat16
+    link: str = MISSING  # cpu | emulated | cuda
+    threads: Optional[int] = None  # torch compute threads (null = torch default)
+    bandwidth_gbps: Optional[float] = None  # emulated link: fixed bandwidth (null = calibrate)
+    latency_us: Optional[float] = None  # emulated link: fixed latency (null = 5% of a load)
+    recalibrate: bool = False  # emulated link: measure the layer step again
+    draft_kernel: str = "auto"  # INT4 draft MoE kernel on CUDA: auto | triton | marlin | torch
+
+
+@dataclass
+class MethodConfig:
+    name: str = MISSING
+    runner: str = MISSING  # "package.module:Class" implementing specter.harness.methods.Method
+    speculative: bool = False
+
+
+@dataclass
+class OffloadMethodConfig(MethodConfig):
+    schedule: str = "expert"  # target-mode schedule: expert | token
+
+
+@dataclass
+class SpecterMethodConfig(OffloadMethodConfig):
+    speculative: bool = True
+    quant: str = "gptq"  # gptq | rtn
+    calibration_prompts: int = 16
+    prefetch: str = "adaptive"  # adaptive | none | early | late | oracle
+    planner_state: str = "warm"  # warm | cold | carry
+    planner: dict[str, float] = field(default_factory=dict)  # PlannerConfig overrides
+
+
+@dataclass
+class KSweepConfig:
+    values: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32])
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = MISSING
+    memory: MemoryConfig = MISSING
+    dataset: DatasetConfig = MISSING
+    method: Any = MISSING  # each method file extends a MethodConfig subclass
+    hardware: HardwareConfig = MISSING
+    experiment: str = "run"  # run | k_sweep | batch | compare: what `python run.py` does
+    num_prompts: int = 5
+    repeats: int = 1
+    max_new_tokens: int = 128
+    prefix_tokens: int = 16
+    seed: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    K: Optional[int] = None
+    k_profile: Optional[str] = None
+    k_sweep: KSweepConfig = field(default_factory=KSweepConfig)
+    warmup_tokens: int = 16
+    verify_lossless: bool = False
+    lossless_tie_tolerance: float = 0.0
+    assets_dir: str = "assets"
+    allow_hub: bool = True
+    output_dir: str = MISSING
+    progress: bool = True
+    batch: dict[str, Any] = field(default_factory=dict)  # experiment=batch settings
+    compare: dict[str, Any] = field(default_factory=dict)  # experiment=compare settings
+
+
+METHOD_SCHEMAS: dict[str, type] = {
+    "base": MethodConfig,
+    "offload": OffloadMethodConfig,
+    "specter": SpecterMethodConfig,
+}
+
+_registered = False
+
+
+def register_method_schema(name: str, node: type) -> None:
+    """Make `defaults: [/schema/method/<name>@_here_]` available to a method's YAML file."""
+    METHOD_SCHEMAS[name] = node
+    if _registered:
+        from hydra.core.config_store import ConfigStore
+
+        ConfigStore.instance().store(group="schema/method", name=name, node=node)
+
+
+def register_schemas() -> None:
+    """Store every schema in Hydra's ConfigStore (idempotent; call before composing)."""
+    global _registered
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    for group, node in (("model", ModelConfig), ("memory", MemoryConfig), ("dataset", DatasetConfig),
+                        ("hardware", HardwareConfig)):
+        cs.store(group=f"schema/{group}", name="base", node=node)
+    for name, node in METHOD_SCHEMAS.items():
+        cs.store(group="schema/method", name=name, node=node)
+    _registered = True

@@ -1,0 +1,58 @@
+"""The offloading runtime one method decodes through: model, host store, link, cache, MoE mode, budget.
+
+Assembled by the harness (`specter.harness.runtime.build_runtime`) from a run's config; the
+engine only reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specter.offload.budget import Footprint, check_budget
+from specter.offload.cache import ExpertCache
+from specter.offload.calibrate import LinkParams
+from specter.offload.link import TransferLink
+
+if TYPE_CHECKING:
+    from specter.models.loading import OffloadedModel
+    from specter.moe import MoERuntime
+
+
+@dataclass
+class Runtime:
+    """Everything an offloading method decodes through: model, host store, link, cache, budget."""
+
+    om: "OffloadedModel"
+    cache: ExpertCache
+    link: TransferLink
+    moe: "MoERuntime"
+    link_params: LinkParams
+    footprint: Footprint
+    budget_bytes: int
+    resident: int  # M: device slots per MoE layer
+    weights_digest: str = ""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.om.model
+
+    def close(self) -> None:
+        self.link.close()
+
+    def enforce_budget(self, what: str, draft_bytes: int = 0, extra_bytes: int = 0) -> None:
+        """Add the draft's resident bytes (and any extra device bytes) and refuse a footprint over budget."""
+        self.footprint = replace(self.footprint, draft_experts=draft_bytes + extra_bytes)
+        try:
+            check_budget(self.footprint, self.budget_bytes, what)
+        except Exception:
+            self.close()
+            raise
+
+    def environment(self) -> dict[str, Any]:
+        return {"link": self.link_params.as_dict(), "resident_experts_per_layer": self.resident,
+                "expert_bytes": self.om.store.nbytes_per_expert, "moe_layers": self.om.moe_layers,
+                "footprint_bytes": self.footprint.__dict__, "budget_bytes": self.budget_bytes,
+                "weights_sha256": self.weights_digest}

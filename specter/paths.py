@@ -1,0 +1,34 @@
+"""Where Specter keeps what it builds once and reuses (tiny checkpoints, drafts, link calibration),
+and how it writes files that must never be seen half-written."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def specter_home() -> Path:
+    """Root of Specter's cache: `$SPECTER_HOME`, else ~/.cache/specter."""
+    return Path(os.environ.get("SPECTER_HOME", Path.home() / ".cache" / "specter"))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder, fsync, rename: readers see old or new, never half."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`atomic_write_text` for bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

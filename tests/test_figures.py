@@ -1,0 +1,248 @@
+"""make_figures.py on a small synthetic result set covering every figure; numbers checked by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECORD_COLUMNS = ["method", "model", "memory", "dataset", "prompt_index", "repeat", "hardware", "K", "new_tokens",
+                  "tpot_ms", "accepted_tokens", "drafted_tokens", "acceptance_rate", "h2d_bytes", "oracle_h2d_bytes",
+                  "output_digest"]
+# TPOT per (method, dataset): [repeat][prompt]
+TPOT = {
+    "specter": {"gsm8k": [[10, 12], [14, 16]], "humaneval": [[20, 20], [20, 20]]},
+    "offload_ar": {"gsm8k": [[26, 26], [26, 26]], "humaneval": [[30, 30], [30, 30]]},
+    "zeta_offload": {"gsm8k": [[39, 39], [39, 39]], "humaneval": [[40, 40], [40, 40]]},  # a method no code names
+}
+
+
+def _config(model="tiny_dsv2", method="specter", memory="high", hardware="emulated", **method_extra) -> str:
+    extra = "".join(f"  {k}: {v}\n" for k, v in method_extra.items())
+    return (f"model:\n  name: {model}\n  real: dsv2\n  num_experts: 64\nmemory:\n  name: {memory}\n"
+            f"method:\n  name: {method}\n{extra}hardware:\n  name: {hardware}\ndataset:\n  name: all\nnum_prompts: 2\n")
+
+
+def _run(folder: Path, method: str, memory="high", records=True, **extra) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(_config(method=method, memory=memory, **extra))
+    if records:
+        rows = []
+        for dataset, reps in TPOT[method].items():
+            for r, prompts in enumerate(reps):
+                for i, t in enumerate(prompts):
+                    spec = method == "specter"
+                    rows.append([method, "tiny_dsv2", memory, dataset, i, r, "emulated", 16 if spec else None, 32, t,
+                                 90 if spec else None, 100 if spec else None, 0.9 if spec else None,
+                                 100 if spec else 300, 50 if spec else 100, "x"])
+        pd.DataFrame(rows, columns=RECORD_COLUMNS).assign(extra_column=1).to_csv(folder / "records.csv", index=False)
+    return folder
+
+
+def make_results(root: Path, with_trace: bool = True) -> Path:
+    spec = _run(root / "main" / "tiny_dsv2-specter-high", "specter", prefetch="adaptive")
+    _run(root / "main" / "tiny_dsv2-offload_ar-high", "offload_ar")
+    _run(root / "main" / "tiny_dsv2-zeta_offload-high", "zeta_offload")
+    # K sweep (Fig. 7): chosen K = 8 recorded in k_profile.json; a K= point is not a main-grid record
+    ks = root / "k_sweep" / "tiny_dsv2-low-emulated"
+    ks.mkdir(parents=True)
+    pd.DataFrame({"K": [4, 8, 16], "records": 2, "mean_tpot_ms": [12.0, 9.0, 10.0], "median_tpot_ms": [12.0, 9.0, 10.0],
+                  "acceptance_rate": [0.9, 0.85, 0.8]}).to_csv(ks / "k_sweep.csv", index=False)
+    (ks / "k_profile.json").write_text(json.dumps({"model": "tiny_dsv2", "memory": "low", "hardware": "emulated", "K": 8}))
+    _run(ks / "K=4", "specter", memory="low")
+    # draft kernel (Figs. 10/11), wide layout with a backend no code names (triton)
+    bench = root / "bench"
+    bench.mkdir()
+    pd.DataFrame([
+        {"device": "cpu", "dtype": "float32", "H": 128, "I": 128, "E": 64, "k": 6, "T": 1, "reference_ms": 8.0,
+         "unfused_ms": 4.0, "grouped_ms": 2.0, "triton_ms": 1.0},
+        {"device": "cpu", "dtype": "float32", "H": 128, "I": 128, "E": 16, "k": 2, "T": 1, "reference_ms": 8.0,
+         "unfused_ms": 9.0, "grouped_ms": 1.0, "triton_ms": 3.0},
+        {"device": "cpu", "dtype": "float32", "H": 128, "I": 128, "E": 64, "k": 6, "T": 8, "reference_ms": 9.0,
+         "unfused_ms": 6.0, "grouped_ms": 3.0, "triton_ms": 2.0},
+    ]).to_csv(bench / "draft_kernel.csv", index=False)
+    pd.DataFrame({"model": ["tiny_dsv2"] * 2, "memory": ["low"] * 2, "K": [4, 8], "expert_wise_ms": [1.0, 1.0],
+                  "token_wise_ms": [2.0, 3.0], "speedup": [2.0, 3.0]}).to_csv(bench / "verify_schedule.csv", index=False)
+    # routes (Fig. 13)
+    routes = [("gsm8k", 0, 1, 0, 1), ("gsm8k", 0, 1, 1, 1), ("gsm8k", 0, 2, 0, 1), ("gsm8k", 0, 2, 1, 1),
+              ("gsm8k", 0, 2, 2, 1), ("gsm8k", 1, 1, 0, 1), ("gsm8k", 1, 2, 0, 1),
+              ("humaneval", 0, 1, 2, 1), ("humaneval", 0, 1, 3, 1), ("humaneval", 0, 2, 2, 1), ("humaneval", 0, 2, 3, 1),
+              ("humaneval", 1, 1, 2, 1), ("humaneval", 1, 1, 3, 1), ("humaneval", 1, 2, 2, 1), ("humaneval", 1, 2, 3, 1),
+              ("humaneval", 1, 2, 5, 0)]  # a zero count is not a routed expert
+    pd.DataFrame([(d, 0, 0, w, layer, e, c) for d, w, layer, e, c in routes],
+                 columns=["dataset", "prompt_index", "repeat", "window", "layer", "expert", "count"]).to_csv(
+        spec / "routes.csv", index=False)
+    # batching (Figs. 15/16, Table 3)
+    rows = []
+    for ds in ("gsm8k", "humaneval"):
+        for b, tpot, thr, ws in ((1, 10, 100, 4), (2, 16, 125, 6), (4, 20 if ds == "gsm8k" else 24, 180, 8)):
+            rows.append(("specter", "tiny_dsv2", "high", b, ds, tpot, tpot * 1.5, thr, ws, 1000, 0.9))
+        for b, tpot, thr, ws in ((1, 30, 33, 5), (2, 40, 50, 8), (4, 60, 66, 12)):
+            rows.append(("specmoeoff", "tiny_dsv2", "high", b, ds, tpot, tpot * 1.5, thr, ws, 3000, 0.8))
+    batch = root / "batch" / "tiny_dsv2"
+    batch.mkdir(parents=True)
+    pd.DataFrame(rows, columns=["method", "model", "memory", "batch_size", "dataset", "tpot_median_ms", "tpot_p90_ms",
+                                "throughput_tok_s", "distinct_experts_per_layer", "h2d_bytes_per_token",
+                                "acceptance"]).to_csv(batch / "batch.csv", index=False)
+    if with_trace:
+        trace = _run(root / "trace" / "tiny_dsv2-specter-low", "specter", memory="low", records=False)
+        events = [(0, "draft_step", -1, -1, 0, 1, 0, ""), (0, "draft_step", -1, -1, 1, 2, 0, ""),
+                  (0, "boundary", -1, -1, 1, 1, 0, ""), (0, "draft_step", -1, -1, 2, 3, 0, ""),
+                  (0, "draft_step", -1, -1, 3, 4, 0, ""), (0, "copy", 1, 5, 1, 3, 100, "overlap"),
+                  (0, "copy", 2, 7, 3, 5, 100, "cleanup"), (0, "compute", 1, 5, 4, 6, 0, "verify"),
+                  (1, "draft_step", -1, -1, 10, 12, 0, ""), (1, "compute", 1, 5, 12, 13, 0, "verify")]
+        pd.DataFrame(events, columns=["window", "event", "layer", "expert", "start_ms", "end_ms", "bytes", "phase"]).to_csv(
+            trace / "trace.csv", index=False)
+    return root
+
+
+def make_figures(results: Path, figures: Path, *extra: str) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, str(REPO / "make_figures.py"), "--results", str(results), "--figures",
+                          str(figures), "--dpi", "60", *extra], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fig")
+    results = make_results(root / "results")
+    res = make_figures(results, root / "figures")
+    return root / "figures", res
+
+
+def table(figures: Path, name: str) -> pd.DataFrame:
+    assert (figures / f"{name}.md").exists()
+    return pd.read_csv(figures / f"{name}.csv")
+
+
+def test_every_figure_written_as_png_and_pdf(built):
+    figures, res = built
+    for name in ("fig07_k_sweep", "fig09_planner_timeline", "fig10_draft_kernel_latency", "fig11_draft_kernel_speedup",
+                 "fig13_routing", "fig14_tpot", "fig15_batch_tpot", "fig16_batch_working_set", "io_vs_oracle",
+                 "verify_schedule"):
+        for ext in ("png", "pdf"):
+            assert (figures / f"{name}.{ext}").stat().st_size > 1000, name
+    for name in ("table_headline_speedup", "table3_batch", "table_batch_scaling", "paper_vs_here"):
+        assert (figures / f"{name}.csv").exists() and (figures / f"{name}.md").exists()
+    assert "skipped" not in res.stdout and "FAILED" not in res.stdout
+    assert "skipped" not in (figures / "index.md").read_text()
+
+
+def test_tpot_grid_numbers(built):
+    t = table(built[0], "fig14_tpot").set_index(["method", "dataset"])
+    assert set(t.index.get_level_values("method")) == {"specter", "offload_ar", "zeta_offload"}  # methods from data
+    g = t.loc[("specter", "gsm8k")]
+    assert g.mean_ms == pytest.approx(13.0) and g.median_ms == pytest.approx(13.0)
+    assert g.p90_ms == pytest.approx(15.4)  # 14 + 0.7 * (16 - 14)
+    assert g.std_repeats_ms == pytest.approx(math.sqrt(8))  # repeat means 11 and 15
+    assert g.records == 4 and g.repeats == 2
+    avg = t.loc[("specter", "AVG")]
+    assert avg.mean_ms == pytest.approx(16.5) and avg.datasets == 2  # mean of 13 and 20
+    assert avg.std_repeats_ms == pytest.approx(math.sqrt(2))  # per-repeat AVGs 15.5 and 17.5
+    assert t.loc[("offload_ar", "AVG")].mean_ms == pytest.approx(28.0)
+    assert list(t.reset_index()["dataset"].unique()) == ["gsm8k", "humaneval", "AVG"]  # paper order, AVG last
+
+
+def test_headline_speedups(built):
+    t = table(built[0], "table_headline_speedup").set_index(["model", "method"])
+    o = t.loc[("tiny_dsv2", "offload_ar")]
+    assert o.speedup_avg == pytest.approx(28 / 16.5)
+    assert o.mean_speedup == pytest.approx((26 / 13 + 30 / 20) / 2) and o.max_speedup == pytest.approx(2.0)
+    assert o.max_at == "gsm8k"
+    z = t.loc[("ALL", "zeta_offload")]
+    assert z.speedup_avg == pytest.approx(39.5 / 16.5) and z.max_speedup == pytest.approx(3.0)
+
+
+def test_k_sweep_table_marks_chosen_k(built):
+    t = table(built[0], "fig07_k_sweep")
+    assert t.loc[t.chosen, "K"].tolist() == [8]
+    assert set(t.model) == {"tiny_dsv2"} and set(t.memory) == {"low"}
+
+
+def test_draft_kernel_backends_from_csv(built):
+    lat = table(built[0], "fig10_draft_kernel_latency")
+    assert set(lat.backend) == {"reference", "unfused", "grouped", "triton"}
+    sp = table(built[0], "fig11_draft_kernel_speedup").set_index(["T", "backend"])
+    assert sp.loc[(1, "grouped")].speedup_geomean == pytest.approx(math.sqrt(2 * 9))  # 4/2 and 9/1
+    assert sp.loc[(1, "triton")].speedup_geomean == pytest.approx(math.sqrt(4 * 3))
+    assert sp.loc[(8, "grouped")].speedup_geomean == pytest.approx(2.0)
+    assert "unfused" not in set(sp.index.get_level_values("backend"))
+
+
+def test_routing_numbers(built):
+    ws = table(built[0], "fig13_routing_working_set").set_index("dataset")
+    assert ws.loc["gsm8k", "mean"] == pytest.approx(1.75)  # windows: (2 + 3) / 2 and (1 + 1) / 2
+    assert ws.loc["humaneval", "mean"] == pytest.approx(2.0)
+    d = table(built[0], "fig13_routing_distance").iloc[0]
+    # layer 1: disjoint supports -> 1; layer 2: p = (.5, .25, .25, 0), q = (0, 0, .5, .5) -> sqrt(JSD)
+    jsd = ((0.5 + 0.25 + 0.25 * math.log2(2 / 3)) + (0.5 * math.log2(0.5 / 0.375) + 0.5)) / 2
+    assert d.js_distance == pytest.approx((1 + math.sqrt(jsd)) / 2)
+    assert d.layers == 2
+
+
+def test_batch_tables(built):
+    t3 = table(built[0], "table3_batch").set_index(["method", "dataset"])
+    assert t3.loc[("specter", "gsm8k")].tpot_ms == 20 and t3.loc[("specter", "AVG")].tpot_ms == pytest.approx(22)
+    assert set(t3.batch_size) == {4}
+    sc = table(built[0], "table_batch_scaling").set_index("method")
+    assert sc.loc["specter", "tpot_ratio_Bmax_B1"] == pytest.approx(2.2)
+    assert sc.loc["specter", "tpot_ratio_B2_B1"] == pytest.approx(1.6)
+    assert sc.loc["specter", "throughput_ratio_Bmax_B1"] == pytest.approx(1.8)
+    assert sc.loc["specter", "working_set_ratio_B2_B1"] == pytest.approx(1.5)
+
+
+def test_timeline_table(built):
+    t = table(built[0], "fig09_planner_timeline").iloc[0]
+    assert t.windows == 2 and str(t.shown_window) == "0"
+    assert t.window_ms == pytest.approx(4.5) and t.draft_ms == pytest.approx(3.0) and t.bytes == pytest.approx(100)
+    assert t.overlap_fraction == pytest.approx(0.75)  # copies [1,3] and [3,5] against drafting [0,4]
+    assert t.copies_overlap == pytest.approx(0.5) and t.copies_cleanup == pytest.approx(0.5)
+
+
+def test_io_oracle_and_verify(built):
+    io = table(built[0], "io_vs_oracle").set_index("method")
+    assert io.loc["specter", "ratio"] == pytest.approx(2.0) and io.loc["offload_ar", "ratio"] == pytest.approx(3.0)
+    vs = table(built[0], "verify_schedule").set_index("K")
+    assert vs.loc[8, "speedup"] == pytest.approx(3.0)
+
+
+def test_paper_vs_here(built):
+    md = (built[0] / "paper_vs_here.md").read_text()
+    assert "tiny models on an emulated link" in md
+    t = table(built[0], "paper_vs_here").set_index(["quantity", "model"])
+    row = t.loc[("TPOT of Specter, high memory, AVG", "dsv2")]
+    assert row.paper == pytest.approx(72.2) and row.here == pytest.approx(16.5)
+    assert row.here_over_paper == pytest.approx(16.5 / 72.2)
+    assert t.loc[("chosen K (lowest mean TPOT)", "dsv2")].here == 8
+    assert t.loc[("acceptance mean", "ALL")].here == pytest.approx(0.9)
+    assert t.loc[("batch tpot ratio (B=1->32)", "dsv2")].here == pytest.approx(2.2)
+    assert math.isnan(t.loc[("speedup of Specter over Transformers, high memory, AVG", "dsv2")].here)
+
+
+def test_missing_input_is_skipped_with_a_note(tmp_path):
+    results = make_results(tmp_path / "results", with_trace=False)
+    res = make_figures(results, tmp_path / "figures", "--only", "timeline", "k_sweep")
+    assert "Figs. 8/9 planner timeline: skipped: no trace.csv" in res.stdout
+    assert not list((tmp_path / "figures").glob("fig09*"))
+    assert (tmp_path / "figures" / "fig07_k_sweep.png").exists()
+    assert "skipped: no trace.csv" in (tmp_path / "figures" / "index.md").read_text()
+
+
+def test_default_result_set_rule(tmp_path):
+    sys.path.insert(0, str(REPO))
+    from specter.figures.data import default_results
+
+    (tmp_path / "results" / "paper").mkdir(parents=True)
+    (tmp_path / "results" / "paper" / "claims.csv").write_text("claim\n")
+    assert default_results(tmp_path) == tmp_path / "results" / "reference"
+    _run(tmp_path / "results" / "quick" / "main" / "a", "specter")
+    assert default_results(tmp_path) == tmp_path / "results" / "quick"
+    _run(tmp_path / "results" / "main" / "a", "specter")
+    assert default_results(tmp_path) == tmp_path / "results"

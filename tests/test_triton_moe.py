@@ -1,0 +1,302 @@
+"""Triton W4A16 draft MoE vs the pure reference, in Triton's CPU interpreter (on a GPU: compiled).
+
+Without CUDA this module sets TRITON_INTERPRET=1 before the kernel module is imported, so CI
+checks the kernels' arithmetic on the CPU. Tolerances (kernel vs `draft_moe_reference`, which
+dequantizes to x.dtype and runs transformers' eager loop):
+
+  fp32  rtol 1e-5, atol 1e-6·max|ref|, rel-L2 1e-6. Both sides see the same exactly dequantized
+        weights ((code − 8)·scale is exact in fp32) and accumulate in fp32; only the summation
+        order differs (tiles of BLOCK_K, k experts summed at once): a few fp32 ulps (2^-24 ≈ 6e-8)
+        times √K. Measured worst over the grid: ≈ 1e-6 elementwise.
+  fp16  rtol 1e-2, atol 4e-3·max|ref|, rel-L2 1e-3. The kernel rounds to fp16 where the
+        reference rounds (gate, up, silu, act·up, y, y·w), but the reference then adds the k
+        expert outputs one by one in fp16 (k − 1 more roundings of ≤ 2^-11 ≈ 4.9e-4 each) and
+        the kernel sums them in fp32 and rounds once; one ulp of a rounded intermediate can
+        also flip the next rounding. For k ≤ 6 that is ≤ 8 half-ulps ≈ 4e-3 of the output scale.
+  bf16  (interpreter: fp32 compute, truncating fp32→bf16 casts) rtol 5e-2, atol 3e-2·max|ref|,
+        rel-L2 1e-2: the same chain with ulp 2^-8 ≈ 3.9e-3, and truncation can be one ulp off.
+
+All are at least 10x below the gap between INT4 and the FP weights it quantizes (rel-L2 ≈ 0.1),
+so a wrong nibble order, scale group or route shows up (see test_tolerance_catches_errors).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (at import)
+pytest.importorskip("triton")
+
+from specter.kernels import triton_moe  # noqa: E402
+from specter.kernels.draft_moe import draft_moe_fused, moe_eager_loop  # noqa: E402
+from specter.kernels.triton_moe import (TritonMoEConfig, align_routes, fused_moe_w4a16,  # noqa: E402
+                                        kmajor_layout, max_padded_rows)
+from specter.quant.int4 import Int4Experts, dequantize, quantize_rtn  # noqa: E402
+
+DEVICE = torch.device("cpu" if triton_moe.interpreting() else "cuda")
+if DEVICE.type == "cpu":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton_moe._gate_up_kernel, InterpretedFunction):
+        pytest.skip("specter.kernels.triton_moe was imported before TRITON_INTERPRET=1 was set",
+                    allow_module_level=True)
+
+TOL = {  # dtype: (rtol, atol as a fraction of max|ref|, rel-L2)
+    torch.float32: (1e-5, 1e-6, 1e-6),
+    torch.float16: (1e-2, 4e-3, 1e-3),
+    torch.bfloat16: (5e-2, 3e-2, 1e-2),
+}
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max |out − ref| / max|ref|, ‖out − ref‖ / ‖ref‖)."""
+    o, r = out.float().cpu(), ref.float().cpu()
+    scale = float(r.abs().max()) or 1.0
+    return float((o - r).abs().max()) / scale, float((o - r).norm() / r.norm().clamp_min(1e-12))
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    rtol, atol_frac, rel_l2 = TOL[ref.dtype]
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    o, r = out.float().cpu(), ref.float().cpu()
+    scale = float(r.abs().max()) if r.numel() else 1.0
+    torch.testing.assert_close(o, r, rtol=rtol, atol=atol_frac * scale)
+    if r.numel() and float(r.norm()) > 0:
+        assert errors(out, ref)[1] < rel_l2
+
+
+@functools.lru_cache(maxsize=None)
+def layer(e: int, h: int, i: int) -> tuple[Int4Experts, Int4Experts]:
+    """RTN INT4 experts with the project's group size rule (128, or the largest power of two dividing K)."""
+    from specter.quant.int4 import default_group_size
+
+    g = torch.Generator().manual_seed(1000 * e + h + i)
+    gate_up = torch.randn(e, 2 * i, h, generator=g) / h**0.5  # [E, 2I, H]
+    down = torch.randn(e, h, i, generator=g) / i**0.5  # [E, H, I]
+    return quantize_rtn(gate_up, default_group_size(h)), quantize_rtn(down, default_group_size(i))
+
+
+@functools.lru_cache(maxsize=None)
+def dequantized(e: int, h: int, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gu, dn = layer(e, h, i)
+    return dequantize(gu, dtype), dequantize(dn, dtype)
+
+
+def reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, e: int, h: int, i: int, act=F.silu) -> torch.Tensor:
+    """`draft_moe_reference` (dequantize to x.dtype + HF's eager loop) with the dequantization cached."""
+    return moe_eager_loop(x, idx, w, *dequantized(e, h, i, x.dtype), act)
+
+
+def routes(t: int, e: int, k: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w, idx = torch.softmax(torch.randn(t, e, generator=g), dim=-1).topk(k, dim=-1)  # [T, k]
+    return w.to(dtype), idx
+
+
+def inputs(t: int, h: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def on_device(e: int, h: int, i: int) -> tuple[Int4Experts, Int4Experts]:
+    gu, dn = layer(e, h, i)
+    return gu.to(DEVICE), dn.to(DEVICE)
+
+
+def run_case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int = 0, act=F.silu,
+             **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output, reference) for one shape; the reference runs on the CPU."""
+    x = inputs(t, h, dtype, seed + t)
+    w, idx = routes(t, e, k, seed + 7 * t + k, dtype)
+    gu, dn = on_device(e, h, i)
+    out = fused_moe_w4a16(x.to(DEVICE), idx.to(DEVICE), w.to(DEVICE), gu, dn, act, **kw)
+    return out, reference(x, idx, w, e, h, i, act)
+
+
+# ----------------------------------------------------------------------------- routing (pure torch)
+
+
+@pytest.mark.parametrize("t,e,k,bm", [(1, 8, 1, 16), (3, 60, 4, 16), (16, 64, 6, 16), (33, 8, 2, 32),
+                                      (33, 64, 6, 64), (512, 64, 6, 16), (7, 4, 4, 16)])
+def test_align_routes_invariants(t: int, e: int, k: int, bm: int) -> None:
+    """Every route appears once, in its expert's block, expert-major and stable; padding fills the rest."""
+    _, idx = routes(t, e, k, 3 * t + e, torch.float32)
+    r = align_routes(idx, e, bm)
+    s = t * k
+    assert r.max_rows == max_padded_rows(s, e, bm) and r.max_rows % bm == 0
+    ids = r.sorted_ids.long()
+    real = ids[ids < s]
+    assert sorted(real.tolist()) == list(range(s))
+    flat = idx.reshape(-1)
+    block_of_row = torch.arange(r.max_rows) // bm
+    expert_of_row = r.block_expert.long()[block_of_row]
+    assert torch.equal(flat[real], expert_of_row[ids < s])  # each route sits in a block of its expert
+    assert real.tolist() == sorted(real.tolist(), key=lambda j: (int(flat[j]), j))  # expert-major, stable
+    used = r.block_expert >= 0
+    assert not bool(used[int(used.sum()):].any())  # active blocks first, idle blocks after
+    counts = torch.bincount(flat, minlength=e)
+    assert int(used.sum()) == int(((counts + bm - 1) // bm).sum())  # each expert: exactly ⌈n/BM⌉ blocks
+    assert bool((ids[~used[block_of_row]] == s).all())
+
+
+def test_align_routes_drops_masked_routes() -> None:
+    idx = torch.tensor([[3, 1], [1, -1], [8, 2]])  # -1 and E=8 are "no expert"
+    r = align_routes(idx, 8, 16)
+    ids = r.sorted_ids.long()
+    assert sorted(ids[ids < 6].tolist()) == [0, 1, 2, 5]
+    assert r.block_expert.tolist()[:3] == [1, 2, 3]
+    assert r.block_expert.tolist()[3:] == [-1] * (r.block_expert.numel() - 3)
+
+
+def test_align_routes_needs_no_host_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No `.item()`, `.tolist()`, truth test, nonzero/unique/bincount: buffer sizes come from shapes only."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronisation in align_routes")
+
+    _, idx = routes(16, 64, 6, 1, torch.float32)
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero", "unique", "bincount",
+                 "repeat_interleave", "masked_select"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for name in ("nonzero", "unique", "bincount", "repeat_interleave", "masked_select"):
+        monkeypatch.setattr(torch, name, forbidden)
+    r = align_routes(idx, 64, 16)
+    monkeypatch.undo()
+    assert r.sorted_ids.numel() == max_padded_rows(96, 64, 16)
+
+
+# ----------------------------------------------------------------------------- the interpreter grid
+
+GRID_T = [1, 3, 16, 33]
+GRID_E = [8, 60, 64]
+GRID_K = [1, 2, 4, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("k", GRID_K)
+@pytest.mark.parametrize("e", GRID_E)
+def test_grid_tiny(e: int, k: int, dtype: torch.dtype) -> None:
+    """T in {1, 3, 16, 33} x E x k at the tiny models' expert shape (H = I = 128)."""
+    for t in GRID_T:
+        assert_matches(*run_case(t, e, k, 128, 128, dtype, seed=e))
+
+
+# (H, I): tiny Phi (I = 2H); DeepSeek-V2-Lite / Qwen1.5-MoE 2048 x 1408 scaled by 1/8 (gs 128 / 16);
+# Phi-3.5-MoE 4096 x 6400 scaled by 1/16 (gs 128 / 16). N is no multiple of the N tile there.
+RATIO_DIMS = [(128, 256), (256, 176), (256, 400)]
+RATIO_CASES = [(1, 64, 6), (3, 60, 4), (16, 8, 2), (33, 64, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("h,i", RATIO_DIMS)
+def test_grid_model_ratios(h: int, i: int, dtype: torch.dtype) -> None:
+    for t, e, k in RATIO_CASES:
+        assert_matches(*run_case(t, e, k, h, i, dtype, seed=h + i))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("h,i,t,e,k", [(1024, 704, 3, 8, 2), (512, 800, 5, 16, 2)])
+def test_larger_model_ratio(h: int, i: int, t: int, e: int, k: int) -> None:
+    """The two larger cases: DSV2/Qwen ratio at 1/2 scale (gs 128 / 64), Phi ratio at 1/8 (gs 128 / 32)."""
+    assert_matches(*run_case(t, e, k, h, i, torch.float16, seed=5))
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 64, 6), (16, 60, 4)])
+def test_bf16(t: int, e: int, k: int) -> None:
+    assert_matches(*run_case(t, e, k, 128, 128, torch.bfloat16, seed=11))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_other_activation_runs_between_launches(dtype: torch.dtype) -> None:
+    """Non-SiLU experts: the first launch writes [gate | up], torch applies the activation."""
+    def gelu(v: torch.Tensor) -> torch.Tensor:
+        return F.gelu(v, approximate="tanh")
+
+    assert not triton_moe.is_silu(gelu)
+    for t, e, k in [(3, 8, 2), (16, 64, 6)]:
+        assert_matches(*run_case(t, e, k, 128, 256, dtype, seed=3, act=gelu))
+
+
+def test_silu_recognised() -> None:
+    from transformers.activations import ACT2FN
+
+    assert triton_moe.is_silu(F.silu) and triton_moe.is_silu(torch.nn.SiLU()) and triton_moe.is_silu(ACT2FN["silu"])
+    assert not triton_moe.is_silu(F.gelu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_masked_routes_and_empty_batch(dtype: torch.dtype) -> None:
+    e, h, i = 16, 128, 128
+    x = inputs(6, h, dtype, 8)
+    w, idx = routes(6, e, 4, 9, dtype)
+    masked = idx.clone()
+    masked[0, 1] = e
+    masked[3, :] = e
+    masked[5, 0] = -1
+    gu, dn = on_device(e, h, i)
+    out = fused_moe_w4a16(x.to(DEVICE), masked.to(DEVICE), w.to(DEVICE), gu, dn, F.silu)
+    ref = reference(x, masked.clamp(min=0).masked_fill(masked < 0, e), w, e, h, i)
+    assert_matches(out, ref)
+    assert torch.equal(out[3].cpu(), torch.zeros(h, dtype=dtype))
+    empty = fused_moe_w4a16(x[:0].to(DEVICE), idx[:0].to(DEVICE), w[:0].to(DEVICE), gu, dn, F.silu)
+    assert empty.shape == (0, h)
+
+
+@pytest.mark.parametrize("cfg", [TritonMoEConfig(16, 32, 32, 1, 1), TritonMoEConfig(32, 64, 128, 4, 2)],
+                         ids=["bm16-bn32-bk32", "bm32-bn64-bk128"])
+def test_tile_sizes_and_kmajor_layout(cfg: TritonMoEConfig) -> None:
+    """Other tiles give the same result; so does the N-contiguous weight storage (strides only)."""
+    e, h, i = 60, 128, 256
+    x = inputs(16, h, torch.float16, 1)
+    w, idx = routes(16, e, 4, 2, torch.float16)
+    gu, dn = on_device(e, h, i)
+    ref = reference(x, idx, w, e, h, i)
+    args = (x.to(DEVICE), idx.to(DEVICE), w.to(DEVICE))
+    assert_matches(fused_moe_w4a16(*args, gu, dn, F.silu, config=cfg), ref)
+    gu_t, dn_t = kmajor_layout(gu), kmajor_layout(dn)
+    assert gu_t.qweight.stride(-1) != 1 and torch.equal(dequantize(gu_t), dequantize(gu))
+    assert_matches(fused_moe_w4a16(*args, gu_t, dn_t, F.silu, config=cfg), ref)
+
+
+def test_draft_moe_fused_dispatches_to_triton() -> None:
+    e, h, i = 8, 128, 128
+    x = inputs(3, h, torch.float32, 4).to(DEVICE)
+    w, idx = (v.to(DEVICE) for v in routes(3, e, 2, 5, torch.float32))
+    gu, dn = on_device(e, h, i)
+    direct = fused_moe_w4a16(x, idx, w, gu, dn, F.silu)
+    assert torch.equal(draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="triton"), direct)
+
+
+def test_tolerance_catches_errors() -> None:
+    """The fp16 tolerance rejects a one-route mistake and the INT4-vs-FP gap: it is not vacuous."""
+    e, h, i, t, k = 64, 128, 128, 16, 6
+    out, ref = run_case(t, e, k, h, i, torch.float16, seed=2)
+    x = inputs(t, h, torch.float16, 2 + t)
+    w, idx = routes(t, e, k, 2 + 7 * t + k, torch.float16)
+    wrong = idx.clone()
+    wrong[4, 2] = (wrong[4, 2] + 1) % e  # one route sent to the neighbouring expert
+    with pytest.raises(AssertionError):
+        assert_matches(out, reference(x, wrong, w, e, h, i))
+    g = torch.Generator().manual_seed(1000 * e + h + i)  # the FP weights `layer` quantized
+    fp = (torch.randn(e, 2 * i, h, generator=g) / h**0.5, torch.randn(e, h, i, generator=g) / i**0.5)
+    fp_out = moe_eager_loop(x, idx, w, fp[0].half(), fp[1].half(), F.silu)
+    assert errors(out, fp_out)[1] > 10 * TOL[torch.float16][2]
+
+
+def test_rejects_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    gu, dn = on_device(8, 128, 128)
+    x = torch.zeros(2, 128, device=DEVICE)
+    w, idx = (v.to(DEVICE) for v in routes(2, 8, 2, 1, torch.float32))
+    with pytest.raises(ValueError, match="block_k"):
+        fused_moe_w4a16(x, idx, w, gu, dn, F.silu, config=TritonMoEConfig(16, 64, 256))
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe_w4a16(x.double(), idx, w, gu, dn, F.silu)
+    small = quantize_rtn(torch.randn(2, 32, 64), 8)
+    assert "group size" in triton_moe.supports(torch.zeros(1, 64, device=DEVICE), small,
+                                               quantize_rtn(torch.randn(2, 64, 16), 8))
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert "TRITON_INTERPRET" in triton_moe.supports(x.cpu(), gu, dn)
