@@ -93,8 +93,11 @@ def build(results: ResultSet, out: Output) -> None:
                 ax.plot(g["T"], g["ms"], marker="o", ms=3, lw=1.2, color=colors[b])
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            style_axes(ax, f"{dev} {dt} {h}×{i}, E={e}, top-{k}".strip(), xlabel="tokens per call T",
-                       ylabel="latency (ms)" if c == 0 else None)
+            ts = sorted(d["T"].unique())
+            ax.set_xticks(ts, [str(int(t)) for t in ts])
+            ax.minorticks_off()
+            style_axes(ax, f"{h}×{i}, E={e}, top-{k}", xlabel="tokens per call T",
+                       ylabel=f"{dev} {dt}\nlatency (ms)".strip() if c == 0 else None)
             ax.title.set_fontsize(8)
     legend_above(fig, [Line2D([], [], color=colors[b], marker="o") for b in backends], backends)
     fig.tight_layout()

@@ -124,9 +124,10 @@ def _batch_claim(r, batch: pd.DataFrame, scale: pd.DataFrame, results: ResultSet
     a = at.set_index("method")
     if r.method not in a.index or r.baseline not in a.index:
         return None, ""
+    label = f"{a['model'].iloc[0]} (B={int(a['batch_size'].iloc[0])})"
     if r.claim == "batch_tpot_speedup":
-        return a.loc[r.baseline, "tpot_ms"] / a.loc[r.method, "tpot_ms"], a["model"].iloc[0]
-    return a.loc[r.method, "throughput_tok_s"] / a.loc[r.baseline, "throughput_tok_s"], a["model"].iloc[0]
+        return a.loc[r.baseline, "tpot_ms"] / a.loc[r.method, "tpot_ms"], label
+    return a.loc[r.method, "throughput_tok_s"] / a.loc[r.baseline, "throughput_tok_s"], label
 
 
 def build(results: ResultSet, out: Output) -> None:
