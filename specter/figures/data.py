@@ -172,7 +172,8 @@ class ResultSet:
             return pd.DataFrame()
         records = pd.concat(frames, ignore_index=True)
         for col in ("tpot_ms", "tpot_fair_ms", "ttft_ms", "e2e_ms", "new_tokens", "accepted_tokens",
-                    "drafted_tokens", "acceptance_rate", "h2d_bytes", "oracle_h2d_bytes", "K"):
+                    "drafted_tokens", "acceptance_rate", "acceptance_alpha", "accepted_fraction", "h2d_bytes",
+                    "oracle_h2d_bytes", "K", "batch_size"):
             if col in records.columns:
                 records[col] = pd.to_numeric(records[col], errors="coerce")
         records["variant"] = records["method"].astype(str)
@@ -186,6 +187,8 @@ class ResultSet:
         df = self._all_records()
         if df.empty or source == "all":
             return df
+        if "batch_size" in df.columns:  # batched records belong to the batching figures
+            df = df[df["batch_size"].isna() | (df["batch_size"] <= 1)]
         return df[df["source"] == source].reset_index(drop=True)
 
     # ------------------------------------------------------------ other inputs

@@ -22,6 +22,8 @@ NAME = "fig07_k_sweep"
 TITLE = "Fig. 7: K profiling — mean TPOT and acceptance against K (chosen K = lowest mean TPOT)"
 TIER_COLORS = {"high": "#0072B2", "low": "#D55E00"}
 EXTRA_COLORS = ("#009E73", "#CC79A7", "#E69F00", "#56B4E9")
+# per-token acceptance alpha (the paper's alpha), else accepted / drafted tokens (older sweeps: acceptance_rate)
+ACCEPTANCE = ("acceptance_alpha", "accepted_fraction", "acceptance_rate")
 
 
 def sweep_info(results: ResultSet, path: Path, df: pd.DataFrame) -> dict:
@@ -54,7 +56,7 @@ def sweep_table(results: ResultSet) -> pd.DataFrame:
         return pd.DataFrame()
     table = pd.concat(frames, ignore_index=True)
     lead = ["model", "memory", "hardware", "K", "chosen", "mean_tpot_ms"]
-    cols = lead + [c for c in ("median_tpot_ms", "mean_tpot_fair_ms", "acceptance_rate", "mean_accepted_len",
+    cols = lead + [c for c in ("median_tpot_ms", "mean_tpot_fair_ms", *ACCEPTANCE, "mean_accepted_len",
                                "h2d_mb_per_token", "records") if c in table.columns]
     table["_m"] = table["model"].map({m: i for i, m in enumerate(order_models(table["model"]))})
     return table.sort_values(["_m", "memory", "hardware", "K"])[cols].reset_index(drop=True)
@@ -66,7 +68,8 @@ def build(results: ResultSet, out: Output) -> None:
         raise Skip("no k_sweep.csv (python run.py experiment=k_sweep ...)")
     out.table(table, NAME, TITLE, notes=["chosen: the K that k_profile.json recorded (lowest mean TPOT)."])
     models = order_models(table["model"])
-    has_acc = "acceptance_rate" in table.columns and table["acceptance_rate"].notna().any()
+    acc = next((c for c in ACCEPTANCE if c in table.columns and table[c].notna().any()), None)
+    has_acc = acc is not None
     fig, axes = subplots(2 if has_acc else 1, len(models), w=3.4, h=2.5, sharex="col")
     series = sorted({(m, h) for m, h in zip(table["memory"], table["hardware"])},
                     key=lambda t: (TIER_ORDER.index(t[0]) if t[0] in TIER_ORDER else len(TIER_ORDER), t))
@@ -86,12 +89,12 @@ def build(results: ResultSet, out: Output) -> None:
                 ax.annotate(f"K={int(k)}", (k, y), textcoords="offset points", xytext=(0, 8), ha="center",
                             fontsize=7, color=color)
             if has_acc:
-                axes[1][c].plot(d["K"], d["acceptance_rate"], marker="o", ms=3.5, color=color, lw=1.4)
-                axes[1][c].scatter(best["K"], best["acceptance_rate"], s=140, marker="*", color=color,
+                axes[1][c].plot(d["K"], d[acc], marker="o", ms=3.5, color=color, lw=1.4)
+                axes[1][c].scatter(best["K"], best[acc], s=140, marker="*", color=color,
                                    edgecolors="black", linewidths=0.6, zorder=5)
         style_axes(axes[0][c], model_label(model), ylabel="mean TPOT (ms/token)" if c == 0 else None)
         if has_acc:
-            style_axes(axes[1][c], None, xlabel="speculation depth K", ylabel="acceptance rate" if c == 0 else None)
+            style_axes(axes[1][c], None, xlabel="speculation depth K", ylabel=acc.replace("_", " ") if c == 0 else None)
         else:
             axes[0][c].set_xlabel("speculation depth K")
         ks = sorted(table.loc[table["model"] == model, "K"].unique())

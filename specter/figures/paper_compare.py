@@ -88,10 +88,10 @@ def compare(results: ResultSet) -> pd.DataFrame:
             sel = spec if r.model == "ALL" else spec[spec["family"] == r.model]
             if not sel.empty and "drafted_tokens" in sel and sel["drafted_tokens"].sum() > 0:
                 if r.claim == "acceptance_max":
-                    per = sel.groupby("model").apply(lambda g: g["accepted_tokens"].sum() / g["drafted_tokens"].sum())
+                    per = pd.Series({m: _alpha(g) for m, g in sel.groupby("model")})
                     here, here_model = per.max(), per.idxmax()
                 else:
-                    alpha = sel["accepted_tokens"].sum() / sel["drafted_tokens"].sum()
+                    alpha = _alpha(sel)
                     here = alpha if r.claim == "acceptance_mean" else (alpha / (1 - alpha) if alpha < 1 else None)
                 here_model = here_model or ",".join(sorted(set(sel["model"])))
         elif r.claim.startswith("batch_") and not batch.empty:
@@ -101,6 +101,13 @@ def compare(results: ResultSet) -> pd.DataFrame:
             quantity += f" (B={r.batch_from}->{r.batch_to})" if r.batch_from != r.batch_to else f" (B={r.batch_to})"
         add(quantity, r.model, r.value, here, r.unit, here_model)
     return pd.DataFrame(rows)
+
+
+def _alpha(records: pd.DataFrame) -> float:
+    """Mean per-token acceptance alpha (the paper's), else accepted / drafted tokens."""
+    if "acceptance_alpha" in records and records["acceptance_alpha"].notna().any():
+        return float(records["acceptance_alpha"].mean())
+    return float(records["accepted_tokens"].sum() / records["drafted_tokens"].sum())
 
 
 def _batch_claim(r, batch: pd.DataFrame, scale: pd.DataFrame, results: ResultSet):
