@@ -210,7 +210,9 @@ def test_ablation_policy_boundaries(name, K, first, final):
 
 
 def test_make_policy_names():
-    assert {make_policy(n, 8, MB).name for n in POLICIES} == set(POLICIES)
+    assert POLICIES == ("adaptive", "none", "early", "late", "oracle")
+    firsts = {n: make_policy(n, 8, MB).begin_window() for n in POLICIES}
+    assert firsts == {"adaptive": 1, "none": None, "early": 1, "late": 8, "oracle": 1}
     with pytest.raises(ValueError):
         make_policy("lru", 8, MB)
     with pytest.raises(ValueError):

@@ -234,8 +234,7 @@ def test_copy_into_slot_is_ordered_after_last_use_with_emulated_link():
     for e in [2, 3, 4, 5, 6, 7, 0, 1]:
         h = cache.acquire(ExpertUID(1, e))
         assert not h.ready.done() or h.hit
-        blocked = cache.wait(h)
-        assert blocked >= 0.0
+        cache.wait(h)
         assert torch.all(cache.views(h)[0] == 1000 + e)
         cache.release(h)
     assert cache.counters.copy_wait_s > 0.0

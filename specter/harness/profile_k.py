@@ -25,6 +25,12 @@ def sweep_values(cfg: DictConfig) -> list[int]:
     return sorted(set(values))
 
 
+def choose_K(table: pd.DataFrame) -> int:
+    """The K with the lowest mean TPOT; ties go to the smaller K (less draft work, less scratch)."""
+    best = table.sort_values(["mean_tpot_ms", "K"]).iloc[0]
+    return int(best.K)
+
+
 def profile_k(cfg: DictConfig) -> Path:
     from specter.harness.run import run
 
@@ -46,7 +52,7 @@ def profile_k(cfg: DictConfig) -> Path:
         })
     table = pd.DataFrame(rows)
     table.to_csv(root / "k_sweep.csv", index=False)
-    best = table.loc[table.mean_tpot_ms.idxmin()]
+    best = table.loc[table.K == choose_K(table)].iloc[0]
     alpha = float(best.acceptance_alpha)  # α at the chosen K (α differs across K; never averaged over them)
     profile = {
         "model": cfg.model.name, "memory": cfg.memory.name, "hardware": cfg.hardware.name,

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from specter.models.arch import MoEArch, arch_for, moe_blocks
 from specter.moe import SpecterExperts
-from specter.offload.store import ExpertLayout, ExpertUID, HostExpertStore
+from specter.offload.store import ExpertLayout, ExpertUID, HostExpertStore, IncompleteStore
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -97,7 +97,10 @@ def load_offloaded(
                 if tuple(tensor.shape) != tuple(expected[name].shape):
                     raise WeightError(f"{key}: shape {tuple(tensor.shape)} != expected {tuple(expected[name].shape)}")
                 state[name] = tensor.to(device=device, dtype=expected[name].dtype)  # keeps fp32 routers fp32
-    store.assert_complete()
+    try:
+        store.assert_complete()
+    except IncompleteStore as err:
+        raise WeightError(f"{checkpoint}: {err}") from None
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))

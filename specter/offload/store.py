@@ -25,6 +25,10 @@ Part = Literal["gate", "up", "down"]
 PARTS: tuple[Part, ...] = ("gate", "up", "down")
 
 
+
+class IncompleteStore(RuntimeError):
+    """Some expert parts were never written into the host store (a checkpoint lacks them)."""
+
 class ExpertUID(NamedTuple):
     """A routed expert: decoder-layer index of its MoE block and expert id within it."""
 
@@ -201,4 +205,4 @@ class HostExpertStore:
             first = list(missing.items())[:8]
             shown = ", ".join(f"layer {u.layer} expert {u.expert} ({'/'.join(p)})" for u, p in first)
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            raise RuntimeError(f"host expert store incomplete: {len(missing)} experts missing parts: {shown}{more}")
+            raise IncompleteStore(f"host expert store incomplete: {len(missing)} experts missing parts: {shown}{more}")

@@ -69,6 +69,23 @@ def acceptance_stats(drafted: list[int], accepted: list[int]) -> dict[str, float
     }
 
 
+def prefetch_at_boundary(cache, planner, step: int, plan: dict[int, list[int]], capacity: dict[int, int]) -> int:
+    """Make the plan's top-M experts resident: pin the ones already resident, load the planner's batch.
+
+    Only residents the plan keeps are pinned, so the batch can always replace the others; a load
+    that still finds every slot pinned is dropped and counted (returned), never silent.
+    """
+    for layer, experts in plan.items():
+        resident, pending = cache.resident(layer), cache.pending_prefetches(layer)
+        for expert in experts:
+            if expert in resident and expert not in pending:
+                cache.prefetch(ExpertUID(layer, expert))
+    resident = {layer: cache.resident(layer) for layer in capacity}
+    pending = {layer: cache.pending_prefetches(layer) for layer in capacity}
+    decision = planner.on_boundary(step, plan, resident, pending, capacity)
+    return sum(cache.prefetch(ExpertUID(layer, expert)) is None for layer, expert in decision.batch)
+
+
 class SpeculativeEngine:
     """Draft with INT4 experts, prefetch by the planner, verify expert-wise with the target."""
 
@@ -195,21 +212,11 @@ class SpeculativeEngine:
         return drafts, (torch.stack(qs) if qs[0] is not None else None)
 
     def _boundary(self, step: int, trace: WindowTrace) -> None:
-        """Snapshot the ELB's top-M plan, keep its resident experts, prefetch the planner's batch."""
+        """Snapshot the ELB's top-M plan and act on it (see `prefetch_at_boundary`)."""
         plan = self.elb.snapshot_plan(self.capacity)  # layer -> top-M counted experts; one D2H copy
         for layer, experts in plan.items():
             self._window_predicted[layer].update(experts)
-            # Pin only the residents the plan keeps: everything else may be replaced by the batch.
-            resident, pending = self.cache.resident(layer), self.cache.pending_prefetches(layer)
-            for expert in experts:
-                if expert in resident and expert not in pending:
-                    self.cache.prefetch(ExpertUID(layer, expert))
-        resident = {layer: self.cache.resident(layer) for layer in self.layers}
-        pending = {layer: self.cache.pending_prefetches(layer) for layer in self.layers}
-        decision = self.planner.on_boundary(step, plan, resident, pending, self.capacity)
-        for layer, expert in decision.batch:
-            if self.cache.prefetch(ExpertUID(layer, expert)) is None:  # every slot pinned: visible, not silent
-                trace.dropped_prefetches += 1
+        trace.dropped_prefetches += prefetch_at_boundary(self.cache, self.planner, step, plan, self.capacity)
 
     def _oracle_prefetch(self, state: SequenceState, last: torch.Tensor, K: int) -> None:
         """Ablation upper bound: learn the target's true routes for this window with an untimed
