@@ -123,7 +123,9 @@ class ResultSet:
         self.paper = Path(paper) if paper is not None else None
 
     def files(self, *patterns: str) -> list[Path]:
-        return list(_walk(self.root, patterns))
+        """Matching files below the root, less the set-aside folders directly under it (a results/
+        root holds quick/, reference/ ... beside its own runs: other result sets)."""
+        return list(_walk(self.root, patterns, SET_ASIDE))
 
     @lru_cache(maxsize=None)
     def config(self, folder: Path) -> dict[str, Any]:
