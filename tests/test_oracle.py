@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specter.predict.oracle import min_load_bytes, min_loads, oracle_h2d_bytes, prefetch_precision_recall
+from specter.predict.oracle import min_load_bytes, min_loads, oracle_h2d_bytes
 
 
 def brute_force_loads(windows: list[set[int]], capacity: int, initial: set[int]) -> int:
@@ -132,9 +132,3 @@ def test_oracle_h2d_bytes_sums_layers():
     assert oracle_h2d_bytes(per_layer, 1, None, 10) == 10 * (3 + 1)
     assert oracle_h2d_bytes(per_layer, {3: 2, 4: 1}, {4: {0}}, 10) == 10 * (3 + 0)
 
-
-def test_precision_recall_conventions():
-    assert prefetch_precision_recall({1, 2, 3, 4}, {2, 4, 6}) == (0.5, 2 / 3)
-    assert prefetch_precision_recall(set(), {1}) == (1.0, 0.0)
-    assert prefetch_precision_recall({1}, set()) == (0.0, 1.0)
-    assert prefetch_precision_recall(set(), set()) == (1.0, 1.0)

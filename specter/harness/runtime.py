@@ -16,7 +16,7 @@ from specter.harness.config import ConfigError, resident_experts
 from specter.models.loading import DTYPES, load_full_model, load_offloaded, non_expert_bytes
 from specter.models.registry import checkpoint_digest, resolve_checkpoint
 from specter.moe import MoERuntime
-from specter.offload.budget import Footprint, check_budget, kv_bytes_per_token
+from specter.offload.budget import Footprint, kv_bytes_per_token
 from specter.offload.cache import ExpertCache
 from specter.offload.calibrate import LinkParams, calibrated_link, fixed_link, measure_layer_step
 from specter.offload.link import make_link

@@ -59,5 +59,3 @@ def moe_blocks(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
 
 
-def router_of(block: torch.nn.Module) -> torch.nn.Module:
-    return block.gate if hasattr(block, "gate") else block.router

@@ -106,9 +106,6 @@ class TransferLink(ABC):
     def busy_seconds(self) -> float:
         return self.stats.busy_seconds
 
-    def reset_stats(self) -> None:
-        self.synchronize()
-        self._stats = LinkStats()
 
     def _check_submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor) -> int:
         if self._closed:

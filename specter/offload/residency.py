@@ -21,7 +21,6 @@ from collections import deque
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from specter.kernels.reference import expert_ffn
 

@@ -71,6 +71,3 @@ class ExpertLoadBuffer:
         """Drop all routing evidence (end of a draft window)."""
         self._cnt.zero_()
 
-    def counts(self) -> torch.Tensor:
-        """A host copy of the counters ``[L, E]``, rows in ``moe_layers`` order."""
-        return self._cnt.cpu().clone()

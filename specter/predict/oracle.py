@@ -92,17 +92,6 @@ def oracle_h2d_bytes(
     return total
 
 
-def prefetch_precision_recall(predicted: AbstractSet[int], actual: AbstractSet[int]) -> tuple[float, float]:
-    """``(precision, recall)`` of a prefetched set against the set verification used.
-
-    Conventions: nothing predicted -> precision 1.0 (no wasted load); nothing needed ->
-    recall 1.0 (nothing missed). Average over windows by summing counts, not ratios.
-    """
-    hit = len(set(predicted) & set(actual))
-    precision = hit / len(predicted) if predicted else 1.0
-    recall = hit / len(actual) if actual else 1.0
-    return precision, recall
-
 
 def oracle_bytes(rt, log) -> int:
     """Fewest H2D bytes any M-slot policy could have moved for the target's actual per-window experts."""

@@ -155,12 +155,3 @@ def gptq_quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, inputs_per_
     return Int4ExpertLayer(_stack(gu_parts, fallback), _stack(dn_parts, fallback))
 
 
-def output_error(w: torch.Tensor, packed: Int4Experts, x: torch.Tensor | Sequence[torch.Tensor]) -> float:
-    """Squared output error ||x Wᵀ - x Ŵᵀ||² summed over experts; w [E, N, K], x per expert [n_e, K] or shared."""
-    w_hat = dequantize(packed, torch.float32)  # [E, N, K]
-    total = 0.0
-    for e in range(w.shape[0]):
-        x_e = x[e] if isinstance(x, (list, tuple)) else x
-        if x_e.shape[0]:
-            total += float(((x_e.float() @ (w[e].float() - w_hat[e]).t()) ** 2).sum())
-    return total

@@ -18,9 +18,8 @@ and `g_idx [K]`; `from_gptq_tensors` / `to_gptq_tensors` convert between the two
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
@@ -77,11 +76,6 @@ class Int4Experts:
         return Int4Experts(self.qweight.to(device), self.scales.to(device), self.group_size, self.sym,
                            self.method, self.rtn_fallback_experts)
 
-    def select(self, experts: torch.Tensor) -> "Int4Experts":
-        """The sub-stack of the given expert ids (index order kept)."""
-        return Int4Experts(self.qweight.index_select(0, experts), self.scales.index_select(0, experts),
-                           self.group_size, self.sym, self.method)
-
 
 @dataclass
 class Int4ExpertLayer:
@@ -129,13 +123,6 @@ def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
     c = (qweight.unsqueeze(-1) >> _SHIFTS.to(qweight.device)) & MAXQ  # [..., K/8, 8]
     return c.reshape(*qweight.shape[:-1], -1).to(torch.uint8)
 
-
-def unpack_codes_bytes(qweight: torch.Tensor) -> torch.Tensor:
-    """Same as `unpack_codes`, reading the words as bytes (little-endian hosts; ~4x less traffic)."""
-    if sys.byteorder != "little":
-        return unpack_codes(qweight)
-    b = qweight.contiguous().view(torch.uint8)  # [..., K/2]: byte b holds columns 2b (low), 2b+1 (high)
-    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*qweight.shape[:-1], -1)  # [..., K]
 
 
 # ----------------------------------------------------------------------------- quantize / dequantize
@@ -187,22 +174,6 @@ def dequantize(packed: Int4Experts, dtype: torch.dtype | None = None,
     w = codes.reshape(e, n, -1, packed.group_size) * sc.to(dtype).unsqueeze(-1)  # [E, N, G, gs]
     return w.reshape(e, n, -1)
 
-
-def stack_experts(parts: Sequence[Int4Experts]) -> Int4Experts:
-    """Concatenate per-expert (or per-range) stacks along the expert dim."""
-    gs = {p.group_size for p in parts}
-    if len(gs) != 1:
-        raise ValueError(f"mixed group sizes {gs}")
-    method = "gptq" if any(p.method == "gptq" for p in parts) else "rtn"
-    fallback: list[int] = []
-    offset = 0
-    for p in parts:
-        fallback += [offset + i for i in p.rtn_fallback_experts]
-        if method == "gptq" and p.method == "rtn":
-            fallback += list(range(offset, offset + p.num_experts))
-        offset += p.num_experts
-    return Int4Experts(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                       gs.pop(), method=method, rtn_fallback_experts=tuple(sorted(set(fallback))))
 
 
 # ----------------------------------------------------------------------------- gptqmodel layout
