@@ -33,11 +33,11 @@ def test_package_builds_verifies_and_draws(tmp_path):
     res = subprocess.run(["bash", str(REPO / "scripts" / "package_artifact.sh")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
-                         text=True).stdout.strip()
-    name = f"specter-artifact-{sha}"
-    tarball = tmp_path / "dist" / f"{name}.tar.gz"
-    assert tarball.exists()
+    tarballs = list((tmp_path / "dist").glob("specter-artifact-*.tar.gz"))
+    assert len(tarballs) == 1
+    tarball = tarballs[0]
+    name = tarball.name[: -len(".tar.gz")]
+    assert len(name.rsplit("-", 1)[1]) == 12  # the short commit sha
     check = subprocess.run(["sha256sum", "-c", f"{name}.tar.gz.sha256"], cwd=tmp_path / "dist", capture_output=True)
     assert check.returncode == 0
     with tarfile.open(tarball) as tar:
