@@ -11,6 +11,7 @@ Every MoE block keeps its own router and shared experts; only `block.experts` is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class MoERuntime:
     host_compute: bool = False  # target experts straight from the host store (untimed probes only)
     capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # calibration hook
     expert_filter: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    tracer: Any = None  # specter.speculative.trace.WindowTracer: per-layer / per-expert verification spans
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -89,16 +91,24 @@ class MoERuntime:
             if self.elb is not None:
                 self.elb.add(layer, topk_idx)
             return self.draft_forward(x, topk_idx, topk_w, self.draft[layer], act_fn)
+        routed = topk_idx
         if self.expert_filter is not None:  # e.g. verification-time expert budgeting (lossy baselines)
-            topk_idx, topk_w = self.expert_filter(layer, topk_idx, topk_w)
+            topk_idx, topk_w = self.expert_filter(layer, topk_idx, topk_w)  # a dropped route becomes id E ("no expert")
+            routed = topk_idx[topk_idx < self.cache.store.num_experts]  # [n]
         if self.route_log is not None:
-            self.route_log.add(layer, topk_idx)
+            self.route_log.add(layer, routed)
         if self.capture is not None:
             self.capture(layer, x, topk_idx)
         if self.host_compute:
             return host_moe(x, topk_idx, topk_w, layer, self.cache.store, act_fn)
-        run = expert_wise_moe if self.schedule == "expert" else token_wise_moe
-        return run(x, topk_idx, topk_w, layer, self.cache, act_fn)
+        if self.schedule == "token":
+            return token_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn)
+        if self.tracer is None:
+            return expert_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn)
+        t0 = time.perf_counter()
+        out = expert_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn, tracer=self.tracer)
+        self.tracer.span("moe", t0, time.perf_counter(), layer=layer)
+        return out
 
 
 class SpecterExperts(torch.nn.Module):

@@ -25,7 +25,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -77,11 +77,15 @@ class TransferLink(ABC):
     def __init__(self) -> None:
         self._stats = LinkStats()
         self._closed = False
+        # Optional: called as observer(tag, nbytes, submitted_s, start_s, finish_s) once a copy has
+        # landed (perf_counter seconds), for per-window traces. Host-timed links only (cpu, emulated).
+        self.observer: Callable[[Any, int, float, float, float], None] | None = None
 
     @abstractmethod
-    def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None) -> Ticket:
+    def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None, tag: Any = None) -> Ticket:
         """Queue ``dst_flat.copy_(src_flat)``; ``after`` is work the copy must follow
-        (a ``torch.cuda.Event`` on CUDA; anything with ``wait()`` on the emulated link)."""
+        (a ``torch.cuda.Event`` on CUDA; anything with ``wait()`` on the emulated link);
+        ``tag`` names the copy for the observer (e.g. the expert)."""
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -131,13 +135,16 @@ class TransferLink(ABC):
 class ImmediateLink(TransferLink):
     """Copies synchronously inside ``submit``; every ticket is already done."""
 
-    def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None) -> Ticket:
+    def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None, tag: Any = None) -> Ticket:
         nbytes = self._check_submit(src_flat, dst_flat)
         if after is not None and hasattr(after, "wait"):
             after.wait()
         t0 = time.perf_counter()
         dst_flat.copy_(src_flat)
-        self._stats.busy_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._stats.busy_seconds += t1 - t0
+        if self.observer is not None:
+            self.observer(tag, nbytes, t0, t0, t1)
         return CompletedTicket(nbytes)
 
     def synchronize(self) -> None:
@@ -170,6 +177,7 @@ class _Job:
     after: Any
     ticket: _ThreadTicket
     submitted: float
+    tag: Any = None
 
 
 class EmulatedLink(TransferLink):
@@ -193,11 +201,11 @@ class EmulatedLink(TransferLink):
         """Modelled duration of one copy of ``nbytes``."""
         return self.latency + nbytes / self.bandwidth
 
-    def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None) -> Ticket:
+    def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None, tag: Any = None) -> Ticket:
         with self._lock:
             nbytes = self._check_submit(src_flat, dst_flat)
         ticket = _ThreadTicket(nbytes)
-        self._queue.put(_Job(src_flat, dst_flat, after, ticket, time.perf_counter()))
+        self._queue.put(_Job(src_flat, dst_flat, after, ticket, time.perf_counter(), tag))
         return ticket
 
     def _drain(self) -> None:
@@ -207,9 +215,10 @@ class EmulatedLink(TransferLink):
                 self._queue.task_done()
                 return
             try:
-                if job.after is not None and hasattr(job.after, "wait"):
-                    job.after.wait()
                 start = max(job.submitted, self._prev_finish)
+                if job.after is not None and hasattr(job.after, "wait"):
+                    job.after.wait()  # the slot's last use: the copy cannot start before it ends
+                    start = max(start, time.perf_counter())
                 deadline = start + self.transfer_seconds(job.ticket.nbytes)
                 job.dst.copy_(job.src)
                 remaining = deadline - time.perf_counter()
@@ -219,6 +228,8 @@ class EmulatedLink(TransferLink):
                 self._prev_finish = finish
                 with self._lock:
                     self._stats.busy_seconds += finish - start
+                if self.observer is not None:
+                    self.observer(job.tag, job.ticket.nbytes, job.submitted, start, finish)
             except BaseException as err:  # surfaced to the waiter, the thread keeps serving
                 job.ticket._error = err
             finally:
@@ -278,7 +289,7 @@ class CudaLink(TransferLink):
         self._unharvested: list[_CudaTicket] = []
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None) -> Ticket:
+    def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None, tag: Any = None) -> Ticket:
         nbytes = self._check_submit(src_flat, dst_flat)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)

@@ -17,6 +17,7 @@ same device and dtype.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable
 
@@ -70,8 +71,12 @@ def expert_wise_moe(
     cache: ExpertCache,
     act_fn: ActFn,
     on_expert: OnExpert | None = None,
+    tracer=None,
 ) -> torch.Tensor:
-    """Routed-expert output ``[T,H]`` of ``x [T,H]`` for ``topk_idx/topk_w [T,k]`` through the cache."""
+    """Routed-expert output ``[T,H]`` of ``x [T,H]`` for ``topk_idx/topk_w [T,k]`` through the cache.
+
+    ``tracer`` (a `specter.speculative.trace.WindowTracer`) receives each expert's wait and compute spans.
+    """
     groups = group_by_expert(topk_idx, cache.store.num_experts)
     by_expert = {e: (tok, pos) for e, tok, pos in groups}
     needed = [ExpertUID(layer, e) for e, _, _ in groups]
@@ -109,11 +114,17 @@ def expert_wise_moe(
             handle = ready.popleft()
         else:
             handle = in_flight.pop(0)
+        t_wait = time.perf_counter() if tracer is not None else 0.0
         cache.wait(handle)
+        t_compute = time.perf_counter() if tracer is not None else 0.0
         tok, pos = by_expert[handle.uid.expert]
         gate_up, down = cache.views(handle)
         y = expert_ffn(x[tok], gate_up, down, act_fn)  # [n, H]
         outputs[handle.uid.expert] = y * topk_w[tok, pos, None]
+        if tracer is not None:
+            uid = handle.uid
+            tracer.span("wait", t_wait, t_compute, layer=uid.layer, expert=uid.expert, phase="hit" if handle.hit else "miss")
+            tracer.span("compute", t_compute, time.perf_counter(), layer=uid.layer, expert=uid.expert)
         if on_expert is not None:
             on_expert(handle.uid, handle.hit)
         cache.release(handle)

@@ -34,6 +34,7 @@ from specter.predict.planner import POLICIES, PlannerConfig, make_policy
 from specter.speculative.sampling import SamplingParams, draft_next, next_token, verify_window
 from specter.speculative.state import SequenceState
 from specter.speculative.timing import StepTimer
+from specter.speculative.trace import WindowTracer
 
 PlannerState = Literal["warm", "cold", "carry"]
 PLANNER_STATES: tuple[str, ...] = ("warm", "cold", "carry")
@@ -114,6 +115,8 @@ class SpeculativeEngine:
         self._warm = self._cold
         self.route_log = RouteLog()
         self.timer = StepTimer(self.device)
+        self.trace_windows = False  # True: record a WindowTracer per generate() (host-timed links)
+        self.tracer: WindowTracer | None = None
 
     # ------------------------------------------------------------------------------ state
     def mark_warm(self) -> None:
@@ -149,6 +152,14 @@ class SpeculativeEngine:
         self.route_log = RouteLog()
         link = self.rt.link
         link0 = link.busy_seconds
+        tracer = self.tracer = WindowTracer() if self.trace_windows else None
+        link.observer, self.moe.tracer = (tracer.on_copy, tracer) if tracer else (None, None)
+        try:
+            return self._generate(prompt_ids, max_new_tokens, generator, clock, state, trace, link, link0, tracer)
+        finally:
+            link.observer, self.moe.tracer = None, None
+
+    def _generate(self, prompt_ids, max_new_tokens, generator, clock, state, trace, link, link0, tracer):
         clock.start()
         logits = self._target(prompt_ids, state)[-1]  # prefill: [V]
         state.start(prompt_ids.shape[1], next_token(logits, self.params, generator))
@@ -163,6 +174,8 @@ class SpeculativeEngine:
                 clock.commit(1)
                 continue
             window0 = (link.bytes_copied, link.busy_seconds)
+            if tracer is not None:
+                tracer.begin_window({layer: self.cache.resident(layer) for layer in self.layers}, K)
             t0 = time.perf_counter()
             drafts, q = self._draft(state, last, K, generator, trace)  # [K], [K, V] | None
             state.discard_extension()  # drop the draft scratch
@@ -171,13 +184,19 @@ class SpeculativeEngine:
             self.cache.release_prefetches()  # mispredicted prefetches give their slots back
             self._score_prediction(trace)
             a, tok = verify_window(drafts, q, target_logits, self.params, generator)
+            t2 = time.perf_counter()
             state.commit(drafts[:a].tolist(), tok)
             clock.commit(a + 1)
             trace.drafted.append(K)
             trace.accepted.append(a)
             moved, busy = link.bytes_copied - window0[0], link.busy_seconds - window0[1]
-            trace.windows.append({"draft_s": t1 - t0, "verify_s": time.perf_counter() - t1,
-                                  "h2d_bytes": moved, "link_busy_s": busy})
+            trace.windows.append({"draft_s": t1 - t0, "verify_s": t2 - t1, "h2d_bytes": moved, "link_busy_s": busy})
+            if tracer is not None:
+                info = tracer.windows[-1]
+                info.draft_ms, info.verify_ms, info.accepted = (t1 - t0) * 1e3, (t2 - t1) * 1e3, a
+                info.used = {layer: set(e) for layer, e in self.route_log.windows[-1].items()}
+                tracer.span("draft", t0, t1)
+                tracer.span("verify", t1, t2)
             if moved and busy > 0:  # the planner's bandwidth estimate follows the real link
                 self.planner.observe_transfer(moved, busy)
         return state.tokens[:max_new_tokens], self._stats(trace, link.busy_seconds - link0)
@@ -216,7 +235,12 @@ class SpeculativeEngine:
         plan = self.elb.snapshot_plan(self.capacity)  # layer -> top-M counted experts; one D2H copy
         for layer, experts in plan.items():
             self._window_predicted[layer].update(experts)
+        t0 = time.perf_counter()
+        before = self.rt.link.bytes_copied
         trace.dropped_prefetches += prefetch_at_boundary(self.cache, self.planner, step, plan, self.capacity)
+        if self.tracer is not None:
+            self.tracer.span("boundary", t0, time.perf_counter(), bytes=self.rt.link.bytes_copied - before,
+                             phase=f"step {step}: {self.planner.trace[-1].phase}")
 
     def _oracle_prefetch(self, state: SequenceState, last: torch.Tensor, K: int) -> None:
         """Ablation upper bound: learn the target's true routes for this window with an untimed
