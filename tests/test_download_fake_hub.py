@@ -126,3 +126,91 @@ def test_changed_source_bytes_are_refused(tmp_path, hub, capsys):
 def test_missing_mirror_is_a_clear_error(tmp_path, capsys):
     assert run(tmp_path, tmp_path / "nowhere") == 2
     assert "not in the mirror" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- datasets from a fake mirror
+
+FIX = REPO / "tests" / "fixtures" / "datasets"
+
+
+def _hub_file(mirror: Path, repo: str, path: str) -> Path:
+    root = mirror / ("datasets--" + repo.replace("/", "--"))
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(C1)
+    dest = root / "snapshots" / C1 / path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return dest
+
+
+def dataset_mirror(root: Path) -> Path:
+    import gzip
+    import shutil
+
+    import pandas as pd
+
+    _hub_file(root, "allenai/c4", "en/c4-validation.00000-of-00008.json.gz").write_bytes(
+        (FIX / "c4" / "c4-validation.00000-of-00008.json.gz").read_bytes())
+    lines = (FIX / "wikitext2" / "wiki.test.raw").read_text().splitlines(keepends=True)
+    pd.DataFrame({"text": lines}).to_parquet(_hub_file(root, "Salesforce/wikitext", "wikitext-2-raw-v1/test-00000-of-00001.parquet"))
+    tokens = [ln.replace("-", " @-@ ") for ln in lines]
+    pd.DataFrame({"text": tokens}).to_parquet(_hub_file(root, "Salesforce/wikitext", "wikitext-2-v1/test-00000-of-00001.parquet"))
+    with gzip.open(FIX / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f]
+    pd.DataFrame(rows).to_parquet(_hub_file(root, "openai/openai_humaneval", "openai_humaneval/test-00000-of-00001.parquet"))
+    rows = [json.loads(line) for line in (FIX / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    pd.DataFrame(rows).to_parquet(_hub_file(root, "openai/gsm8k", "main/test-00000-of-00001.parquet"))
+    gpqa = root / "urls" / "github.com" / "idavidrein" / "gpqa" / "raw" / "main" / "dataset.zip"
+    gpqa.parent.mkdir(parents=True)
+    shutil.copyfile(FIX / "gpqa" / "gpqa_main.csv.zip", gpqa)
+    return root
+
+
+def test_prepare_datasets_from_mirror(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from initialization import prepare_datasets as pdm
+
+    mirror = dataset_mirror(tmp_path / "mirror")
+    assets = tmp_path / "assets"
+    assert pdm.main(["--assets", str(assets), "--source", str(mirror), "--verify-prompts", "2"]) == 0, capsys.readouterr().err
+    manifest = json.loads((assets / "MANIFEST.json").read_text())
+    assert set(manifest) == {"c4", "wikitext2", "humaneval", "gsm8k", "gpqa"}
+    assert manifest["wikitext2"]["variant"] == "raw" and manifest["wikitext2"]["file"] == "wikitext2/wiki.test.raw"
+    assert all(e["origin"] == f"mirror:{mirror}" for e in manifest.values())
+    c4 = assets / "c4" / "c4-validation.00000-of-00008.json.gz"
+    assert manifest["c4"]["sha256"] == hashlib.sha256(c4.read_bytes()).hexdigest()
+    # resume: half a copy waits in .part
+    data = c4.read_bytes()
+    c4.unlink()
+    c4.with_name(c4.name + ".part").write_bytes(data[: len(data) // 2])
+    capsys.readouterr()
+    assert pdm.main(["--assets", str(assets), "--source", str(mirror), "--datasets", "c4", "--verify-prompts", "2"]) == 0
+    assert f"resuming at {len(data) // 2} bytes" in capsys.readouterr().out and c4.read_bytes() == data
+    # the tokenized WikiText-2 replaces the raw one only when asked to
+    assert pdm.main(["--assets", str(assets), "--source", str(mirror), "--datasets", "WT", "--wikitext", "tokens"]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert pdm.main(["--assets", str(assets), "--source", str(mirror), "--datasets", "WT", "--wikitext", "tokens",
+                     "--force", "--verify-prompts", "2"]) == 0
+    manifest = json.loads((assets / "MANIFEST.json").read_text())
+    assert manifest["wikitext2"]["variant"] == "tokens" and manifest["wikitext2"]["file"] == "wikitext2/wiki.test.tokens"
+    assert not (assets / "wikitext2" / "wiki.test.raw").exists() and "@-@" in (assets / "wikitext2" / "wiki.test.tokens").read_text()
+    assert pdm.main(["--assets", str(assets), "--datasets", "WT", "--wikitext", "tokens", "--verify-only",
+                     "--verify-prompts", "2"]) == 0
+
+
+def test_prepare_wikitext_tokens_from_zip(tmp_path, monkeypatch):
+    import zipfile
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from initialization import prepare_datasets as pdm
+
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    text = (FIX / "wikitext2" / "wiki.test.raw").read_text().replace("-", " @-@ ")
+    with zipfile.ZipFile(downloads / "wikitext-2-v1.zip", "w") as zf:
+        zf.writestr("wikitext-2/wiki.test.tokens", text)
+    assets = tmp_path / "assets"
+    assert pdm.main(["--assets", str(assets), "--from-dir", str(downloads), "--datasets", "wikitext2",
+                     "--wikitext", "tokens", "--verify-prompts", "2"]) == 0
+    entry = json.loads((assets / "MANIFEST.json").read_text())["wikitext2"]
+    assert entry["variant"] == "tokens" and entry["origin"] == f"copied:{downloads}"
+    assert (assets / "wikitext2" / "wiki.test.tokens").read_text() == text
