@@ -17,6 +17,7 @@ PER_EXPERIMENT = {
     "k_sweep": ["k_sweep.values=[2]", "method.quant=rtn", "dataset=humaneval"],
     "batch": ["batch.sizes=[2]", "method.quant=rtn", "dataset=humaneval"],
     "main": ["method=specter", "method.quant=rtn", "K=2"],
+    "compare": ["model.trained=false", "+compare.method_overrides={specter:{quant:rtn}}", "dataset=humaneval"],
 }
 
 
@@ -30,3 +31,20 @@ def test_experiment_config_runs(name, tiny_checkpoint, tmp_path):
     run_experiment(cfg)
     written = list((tmp_path / name).rglob("records.csv"))
     assert written and all(p.stat().st_size > 0 for p in written)
+
+
+def test_comparison_table_flags_differing_tokens():
+    import pandas as pd
+
+    from specter.harness.compare import comparison_table
+
+    rec = pd.DataFrame({
+        "method": ["target_only", "offload_ar", "specter"], "dataset": ["he"] * 3, "prompt_index": [0] * 3,
+        "repeat": [0] * 3, "tpot_ms": [10.0, 30.0, 15.0], "output_digest": ["a", "a", "b"],
+        "acceptance_alpha": [None, None, 0.9], "mean_accepted_len": [None, None, 4.0],
+        "h2d_bytes": [None, 300.0, 200.0], "oracle_h2d_bytes": [None, 100.0, 100.0], "new_tokens": [10] * 3,
+    })
+    t = comparison_table(rec).set_index("method")
+    assert t.loc["specter", "speedup_vs_offload_ar"] == 2.0
+    assert t.loc["specter", "h2d_over_oracle"] == 2.0
+    assert bool(t.loc["offload_ar", "same_tokens_as_target_only"]) and not bool(t.loc["specter", "same_tokens_as_target_only"])

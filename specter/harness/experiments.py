@@ -21,7 +21,13 @@ def _k_sweep(cfg: DictConfig):
     return profile_k(cfg)
 
 
-EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep}
+def _compare(cfg: DictConfig):
+    from specter.harness.compare import compare
+
+    return compare(cfg)
+
+
+EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep, "compare": _compare}
 
 
 def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:

@@ -1,0 +1,107 @@
+"""`experiment=compare`: several methods side by side on the same prompts, one table at the end.
+
+What `python run.py` runs with no arguments: target-only decoding, autoregressive offloading and
+Specter at the low memory tier on a briefly trained tiny model over the emulated link — the
+comparison the project exists for. Each method is an ordinary resumable run in
+`<output_dir>/<method>/`; the table is written to `<output_dir>/compare.csv`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from specter.harness.config import ConfigError
+
+DEFAULT_METHODS = ("target_only", "offload_ar", "specter")
+
+
+def method_config(cfg: DictConfig, method: str) -> DictConfig:
+    """`cfg` with its method group switched to `method` (as `method=<method>` would compose it)."""
+    from specter.harness.compose import compose
+
+    try:
+        node = compose([f"method={method}"]).method
+    except Exception as err:  # noqa: BLE001 - Hydra's own message names the missing option
+        raise ConfigError(f"compare.methods: cannot compose method={method} ({str(err).splitlines()[0]})") from None
+    sub = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    with open_dict(sub):
+        sub.method = node
+        for key, value in (cfg.compare.get("method_overrides") or {}).get(method, {}).items():
+            OmegaConf.update(sub, f"method.{key}", value, force_add=True)
+        sub.experiment = "run"
+        sub.output_dir = str(Path(cfg.output_dir) / method)
+    return sub
+
+
+def comparison_table(records: pd.DataFrame, reference: str = "target_only", baseline: str = "offload_ar") -> pd.DataFrame:
+    """One row per method: TPOT, speedup over `baseline`, acceptance, I/O against the oracle, token equality."""
+    rows = []
+    ref = records[records.method == reference].set_index(["dataset", "prompt_index", "repeat"]).output_digest
+    base_tpot = records[records.method == baseline].tpot_ms.median() if (records.method == baseline).any() else None
+    for method, df in records.groupby("method", sort=False):
+        digests = df.set_index(["dataset", "prompt_index", "repeat"]).output_digest
+        common = digests.index.intersection(ref.index)
+        same = bool((digests[common] == ref[common]).all()) if len(common) else None
+        tpot = df.tpot_ms.median()
+        h2d = df.h2d_bytes.sum() if df.h2d_bytes.notna().any() else None
+        oracle = df.oracle_h2d_bytes.sum() if df.oracle_h2d_bytes.notna().any() else None
+        rows.append({
+            "method": method, "records": len(df), "tpot_ms": tpot,
+            f"speedup_vs_{baseline}": base_tpot / tpot if base_tpot and tpot else None,
+            "acceptance_alpha": df.acceptance_alpha.mean() if df.acceptance_alpha.notna().any() else None,
+            "tokens_per_iteration": df.mean_accepted_len.mean() if df.mean_accepted_len.notna().any() else None,
+            "h2d_mb_per_token": h2d / df.new_tokens.sum() / 1e6 if h2d is not None else None,
+            "h2d_over_oracle": h2d / oracle if h2d is not None and oracle else None,
+            f"same_tokens_as_{reference}": same,
+        })
+    return pd.DataFrame(rows)
+
+
+def compare(cfg: DictConfig) -> Path:
+    from specter.harness.run import run
+
+    methods = list(cfg.compare.get("methods") or DEFAULT_METHODS)
+    if not methods:
+        raise ConfigError("compare.methods is empty")
+    root = Path(cfg.output_dir)
+    frames = []
+    for method in methods:
+        print(f"\n== {method} ==", flush=True)
+        out = run(method_config(cfg, method))
+        frames.append(pd.read_csv(out / "records.csv"))
+    table = comparison_table(pd.concat(frames, ignore_index=True))
+    root.mkdir(parents=True, exist_ok=True)
+    table.to_csv(root / "compare.csv", index=False)
+    print_comparison(table, title=f"{cfg.model.name} at memory={cfg.memory.name}, hardware={cfg.hardware.name} "
+                                  f"({root / 'compare.csv'})")
+    return root
+
+
+def print_comparison(table: pd.DataFrame, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title, header_style="bold")
+    for col in table.columns:
+        t.add_column(_HEADERS.get(col, col.replace("_", " ")), justify="left" if col == "method" else "right")
+    for _, row in table.iterrows():
+        t.add_row(*[_fmt(row[c]) for c in table.columns])
+    Console(width=160).print(t)
+
+
+_HEADERS = {"tpot_ms": "TPOT ms", "speedup_vs_offload_ar": "× vs offload_ar", "acceptance_alpha": "α",
+            "tokens_per_iteration": "tokens/iter", "h2d_mb_per_token": "H2D MB/token",
+            "h2d_over_oracle": "H2D ÷ oracle", "same_tokens_as_target_only": "= target_only"}
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return "—"
+    if isinstance(v, (bool,)) or str(v) in ("True", "False"):
+        return "yes" if str(v) == "True" else "NO"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
