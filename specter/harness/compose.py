@@ -18,4 +18,38 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
     register_schemas()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return resolve_hardware(cfg)
+
+
+def resolve_hardware(cfg: DictConfig) -> DictConfig:
+    """Replace `hardware=auto` by the profile it stands for: cuda when a GPU is visible, else cpu.
+
+    Keys the user overrode on top of `auto` (e.g. hardware.threads=2) are kept."""
+    if cfg.hardware.name != "auto":
+        return cfg
+    import torch
+    from omegaconf import OmegaConf, open_dict
+
+    pick = "cuda" if torch.cuda.is_available() else "cpu"
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        profile = hydra_compose(config_name="config", overrides=[f"hardware={pick}"]).hardware
+    auto = hardware_defaults("auto")
+    user = {k: v for k, v in cfg.hardware.items() if v != auto.get(k)}
+    with open_dict(cfg):
+        cfg.hardware = OmegaConf.merge(profile, user)
+    return cfg
+
+
+def hardware_defaults(option: str) -> dict:
+    """A hardware option's values before any user override (schema defaults + its YAML file)."""
+    from omegaconf import OmegaConf
+
+    from specter.harness.schema import HardwareConfig
+
+    data = OmegaConf.load(CONF_DIR / "hardware" / f"{option}.yaml")
+    data.pop("defaults", None)
+    return dict(OmegaConf.merge(OmegaConf.structured(HardwareConfig), data))

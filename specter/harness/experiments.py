@@ -27,7 +27,14 @@ def _compare(cfg: DictConfig):
     return compare(cfg)
 
 
-EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep, "compare": _compare}
+def _batch(cfg: DictConfig):
+    from specter.harness.batch import run_batch
+
+    return run_batch(cfg)
+
+
+EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep, "compare": _compare,
+                                                          "batch": _batch}
 
 
 def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:
@@ -35,6 +42,9 @@ def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:
 
 
 def run_experiment(cfg: DictConfig):
+    from specter.harness.compose import resolve_hardware
+
+    cfg = resolve_hardware(cfg)
     kind = cfg.experiment
     if kind not in EXPERIMENTS:
         raise ConfigError(f"unknown experiment={kind!r}; choose one of {sorted(EXPERIMENTS)}")

@@ -108,9 +108,9 @@ class OffloadAR(Method):
 
     name = "offload_ar"
 
-    def __init__(self, cfg: DictConfig, checkpoint: Path, resident: int | None = None):
+    def __init__(self, cfg: DictConfig, checkpoint: Path, resident: int | None = None, staging: int = 0):
         super().__init__(cfg, checkpoint)
-        self.rt = build_runtime(cfg, checkpoint, resident=resident)
+        self.rt = build_runtime(cfg, checkpoint, resident=resident, staging=staging)
         self.rt.enforce_budget(f"{cfg.model.name} {cfg.method.name} at memory={cfg.memory.name} (M={self.rt.resident})")
 
     def reset(self) -> None:
@@ -144,6 +144,7 @@ class Specter(Method):
     """Speculative decoding: shared-instance INT4 draft, ELB-driven prefetch, expert-wise verification."""
 
     name = "specter"
+    engine_class: type[SpeculativeEngine] = SpeculativeEngine  # a variant may refine the iteration (e.g. moe_spec)
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         super().__init__(cfg, checkpoint)
@@ -163,7 +164,7 @@ class Specter(Method):
         self.rt.enforce_budget(f"{cfg.model.name} {m.name} at memory={cfg.memory.name} (M={self.rt.resident})",
                                draft_bytes=self.draft_bytes)
         self.rt.moe.draft, self.rt.moe.draft_forward = self.draft, draft_forward
-        self.engine = SpeculativeEngine(self.rt, self.K, self.params, prefetch=m.prefetch,
+        self.engine = self.engine_class(self.rt, self.K, self.params, prefetch=m.prefetch,
                                         planner_config=PlannerConfig(**(m.get("planner") or {})),
                                         planner_state=m.planner_state, expert_filter=self.expert_filter())
         self.verify = bool(cfg.verify_lossless) and self.params.temperature == 0

@@ -8,6 +8,7 @@ offloads experts (`offload_ar`, `specter`, the offloading baselines).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 import torch
 from omegaconf import DictConfig
@@ -74,12 +75,18 @@ def budget_bytes(cfg: DictConfig, full_bytes: int) -> int:
     return int(float(tier.budget_fraction) * full_bytes)
 
 
+def scratch_bytes(model_config, K: int, batch_size: int, dtype: torch.dtype) -> int:
+    """Verification activations (a few [K+1, H] buffers per layer) and logits [K+1, V], per request."""
+    return batch_size * (K + 1) * (model_config.hidden_size * 8 + model_config.vocab_size) * torch.finfo(dtype).bits // 8
+
+
 def build_runtime(cfg: DictConfig, checkpoint: Path, K: int = 0, resident: int | None = None,
-                  batch_size: int = 1) -> Runtime:
+                  batch_size: int = 1, staging: int = 0) -> Runtime:
     """Everything but the draft; call `enforce_budget(...)` once the draft is known.
 
     K: speculative positions to reserve KV and scratch for (0 = autoregressive);
-    resident: slots per MoE layer (default: the tier's M).
+    resident: slots per MoE layer (default: the tier's M); staging: extra expert buffers
+    shared by all layers (Mixtral-Offloading's), counted with the cache slots.
     """
     device, dtype = device_and_dtype(cfg)
     M = resident if resident is not None else resident_experts(cfg)
@@ -89,16 +96,14 @@ def build_runtime(cfg: DictConfig, checkpoint: Path, K: int = 0, resident: int |
     expert_bytes = om.store.nbytes_per_expert
     non_expert = non_expert_bytes(om.model)
     seq = cfg.prefix_tokens + cfg.max_new_tokens + K + 1
-    cfgm = om.model.config
-    # verification activations (a few [K+1, H] buffers per layer) and logits [K+1, V], per request
-    scratch = batch_size * (K + 1) * (cfgm.hidden_size * 8 + cfgm.vocab_size) * torch.finfo(dtype).bits // 8
+    scratch = scratch_bytes(om.model.config, K, batch_size, dtype)
     params = link_params(cfg, checkpoint, expert_bytes, digest)
     link = make_link(
         params.kind,
         **({"bandwidth_bytes_per_s": params.bandwidth_bytes_per_s, "latency_s": params.latency_s}
            if params.kind == "emulated" else {"device": device} if params.kind == "cuda" else {}),
     )
-    cache = ExpertCache(om.store, link, {layer: M for layer in layers}, device, dtype)
+    cache = ExpertCache(om.store, link, {layer: M for layer in layers}, device, dtype, staging=staging)
     moe = MoERuntime(cache, schedule=cfg.method.get("schedule") or "expert")
     for module in om.experts.values():
         module.runtime = moe
@@ -112,6 +117,21 @@ def build_runtime(cfg: DictConfig, checkpoint: Path, K: int = 0, resident: int |
     cache.reset()  # the KV probe above ran through the cache
     full = non_expert + expert_bytes * len(layers) * om.num_experts
     return Runtime(om, cache, link, moe, params, footprint, budget_bytes(cfg, full), M, digest)
+
+
+def resize_cache(rt: Runtime, resident: int) -> Runtime:
+    """The same runtime (model, host store, link) with `resident` slots per MoE layer.
+
+    For methods whose slot count follows from bytes only known once the model is loaded
+    (a derived same-memory count, what fits beside a separate draft)."""
+    if not 1 <= resident <= rt.om.num_experts:
+        raise ConfigError(f"{resident} resident experts per layer: need 1..{rt.om.num_experts}")
+    old = rt.cache
+    cache = ExpertCache(old.store, rt.link, {layer: resident for layer in old.layers}, old.device, old.dtype,
+                        staging=old.staging)
+    rt.moe.cache = cache
+    return replace(rt, cache=cache, resident=resident,
+                   footprint=replace(rt.footprint, cache_slots=cache.device_bytes()))
 
 
 def calibration_batches(cfg: DictConfig, tokenizer, device: torch.device, n_prompts: int,

@@ -152,3 +152,39 @@ def register_schemas() -> None:
     for name, node in METHOD_SCHEMAS.items():
         cs.store(group="schema/method", name=name, node=node)
     _registered = True
+
+
+# -- offloading baselines (runners in baselines/) ------------------------------------------------
+@dataclass
+class MixtralOffloadingMethodConfig(OffloadMethodConfig):
+    staging_buffers: int = 4  # device buffers shared by all layers for loads while a layer's slots are in use
+
+
+@dataclass
+class MixtralOffloadingSMMethodConfig(MixtralOffloadingMethodConfig):
+    residents: Optional[int] = None  # slots per layer; null = the model's preset, else derived from Specter's bytes
+    presets: dict[str, dict[str, int]] = field(default_factory=dict)  # model -> tier -> slots (the paper's artifact)
+
+
+@dataclass
+class SpecMoEOffMethodConfig(OffloadMethodConfig):
+    speculative: bool = True
+    K: int = 3  # draft length (the top-level K= overrides it)
+    quant: str = "gptq"  # the separate draft's routed experts: gptq | rtn
+    calibration_prompts: int = 16
+    residents: dict[str, int] = field(default_factory=lambda: {"high": 12, "low": 2})  # of the real model's experts
+    prefetch_at: list[float] = field(default_factory=lambda: [0.2, 0.6])  # prefetch after int(f*K) draft steps
+
+
+@dataclass
+class MoESpecMethodConfig(SpecterMethodConfig):
+    budget: Optional[int] = None  # experts kept per MoE layer per verification pass; null = half the routed experts
+    budget_mode: str = "substitute"  # truncate | substitute
+
+
+METHOD_SCHEMAS.update({
+    "mixtral_offloading": MixtralOffloadingMethodConfig,
+    "mixtral_offloading_sm": MixtralOffloadingSMMethodConfig,
+    "specmoeoff": SpecMoEOffMethodConfig,
+    "moe_spec": MoESpecMethodConfig,
+})

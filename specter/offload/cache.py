@@ -11,6 +11,12 @@ An expert is *protected* while a handle on it is outstanding (acquired, not yet
 released) or while a prefetch of it has not yet been consumed by an ``acquire``;
 protected slots are never evicted, so a layer may refuse a load (``None``) when all
 of its slots are protected - the caller releases something and retries.
+
+Staging buffers (``staging=S``, default 0) are a pool of S extra device buffers shared by
+all layers, as in Mixtral-Offloading: a layer whose slots are all protected borrows one
+for the next load instead of refusing it, and gives one back as soon as it can evict an
+unprotected expert (buffers change owner; no data moves). At rest every layer holds its
+own M experts; the pool's bytes are part of ``device_bytes()``.
 """
 
 from __future__ import annotations
@@ -94,6 +100,45 @@ class LRUPolicy:
         """expert -> slot, a copy."""
         return dict(self._slot)
 
+    # -- staging: a lent slot is added above the layer's own, and removed again from the top
+    def grow(self) -> int:
+        """Add one (free) slot; returns its id (= the old capacity)."""
+        slot = self.capacity
+        self.capacity += 1
+        self._free.append(slot)
+        return slot
+
+    def holder(self, slot: int) -> int | None:
+        """Expert in ``slot``, or None when it is free."""
+        return next((e for e, s in self._slot.items() if s == slot), None)
+
+    def evict(self, expert: int) -> int:
+        """Remove an unprotected ``expert``; returns the slot it freed."""
+        if self._protect.get(expert):
+            raise RuntimeError(f"cannot evict protected expert {expert}")
+        slot = self._slot.pop(expert)
+        del self._order[expert]
+        self._free.append(slot)
+        return slot
+
+    def relocate(self, expert: int, slot: int) -> int:
+        """Move an unprotected ``expert`` into the free ``slot``; returns the slot it left (now free)."""
+        if self._protect.get(expert) or slot not in self._free:
+            raise RuntimeError(f"cannot move expert {expert} into slot {slot}")
+        old = self._slot[expert]
+        self._free.remove(slot)
+        self._free.append(old)
+        self._slot[expert] = slot
+        return old
+
+    def drop_top_slot(self) -> None:
+        """Remove the highest slot, which must be free."""
+        top = self.capacity - 1
+        if top not in self._free or top == 0:
+            raise RuntimeError(f"slot {top} is not free (or is the last slot)")
+        self._free.remove(top)
+        self.capacity -= 1
+
     def lru_order(self) -> list[int]:
         return list(self._order)
 
@@ -123,6 +168,7 @@ class CacheCounters:
     prefetch_loads: int = 0
     prefetch_used: int = 0  # prefetch loads later consumed by a demand acquire
     loads: int = 0
+    staged_loads: int = 0  # loads placed in a borrowed staging buffer (all own slots protected)
     h2d_bytes: int = 0
     copy_wait_s: float = 0.0
 
@@ -130,10 +176,19 @@ class CacheCounters:
 @dataclass
 class _Layer:
     policy: LRUPolicy
-    slots: torch.Tensor  # [M, numel]; row s is slot s's flat buffer
+    slots: torch.Tensor  # [M, numel]; the layer's own buffers
     ready: list[Ticket]
     last_use: list[object | None]
     prefetched: dict[int, bool] = field(default_factory=dict)  # unconsumed prefetch -> was it a load
+    rows: list[torch.Tensor] = field(default_factory=list)  # slot s -> its buffer ([numel]); own rows unless staging swapped them
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            self.rows = list(self.slots)
+
+    @property
+    def own(self) -> int:
+        return self.slots.shape[0]
 
 
 class ExpertCache:
@@ -147,6 +202,7 @@ class ExpertCache:
         device: torch.device | str,
         dtype: torch.dtype,
         initial_residents: Mapping[int, Sequence[int]] | None = None,
+        staging: int = 0,
     ):
         if dtype != store.layout.dtype:
             raise ValueError(f"slot dtype {dtype} differs from the host store's {store.layout.dtype}")
@@ -173,6 +229,10 @@ class ExpertCache:
         for layer, m in capacity.items():
             slots = torch.empty(m, store.layout.numel, dtype=dtype, device=self.device)  # [M, numel]
             self._layers[layer] = _Layer(LRUPolicy(m), slots, [CompletedTicket()] * m, [None] * m)
+        if staging < 0:
+            raise ValueError(f"staging buffers must be >= 0, got {staging}")
+        self._staging = torch.empty(staging, store.layout.numel, dtype=dtype, device=self.device)  # [S, numel]
+        self._pool: list[tuple[torch.Tensor, object | None]] = []  # free staging buffers: (buffer, last use)
         self.counters = CacheCounters()
         self.reset()
 
@@ -185,16 +245,19 @@ class ExpertCache:
         for layer, st in self._layers.items():
             before = st.policy.residents()
             ready = [t.done() for t in st.ready]
-            policy = LRUPolicy(st.policy.capacity)
+            own = [st.rows[s].data_ptr() == st.slots[s].data_ptr() for s in range(st.own)]  # staging may have swapped buffers
+            policy = LRUPolicy(st.own)
             for slot, expert in enumerate(self._initial[layer]):
                 got = policy.admit(expert)
                 assert got is not None and got[0] == slot
-                if before.get(expert) != slot or not ready[slot]:
+                if before.get(expert) != slot or not ready[slot] or not own[slot]:
                     st.slots[slot].copy_(self.store.buffer(ExpertUID(layer, expert)))
             st.policy = policy
+            st.rows = list(st.slots)
             st.ready = [CompletedTicket()] * policy.capacity
             st.last_use = [None] * policy.capacity
             st.prefetched = {}
+        self._pool = [(buf, None) for buf in self._staging]
         if self._use_events:
             torch.cuda.synchronize(self.device)
         self.reset_counters()
@@ -221,7 +284,13 @@ class ExpertCache:
         return {layer: set(experts) for layer, experts in self._initial.items()}
 
     def capacity(self, layer: int) -> int:
-        return self._layer(layer).policy.capacity
+        """The layer's own slots M (borrowed staging buffers not included)."""
+        return self._layer(layer).own
+
+    @property
+    def staging(self) -> int:
+        """Staging buffers shared by all layers."""
+        return self._staging.shape[0]
 
     def resident(self, layer: int) -> set[int]:
         """Experts in the layer's slots, including ones still loading."""
@@ -238,12 +307,13 @@ class ExpertCache:
         return set(self._layer(layer).prefetched)
 
     def device_bytes(self) -> int:
-        """Footprint of all slots."""
-        return sum(st.slots.numel() * st.slots.element_size() for st in self._layers.values())
+        """Footprint of all slots and staging buffers."""
+        own = sum(st.slots.numel() * st.slots.element_size() for st in self._layers.values())
+        return own + self._staging.numel() * self._staging.element_size()
 
     def slot_buffer(self, layer: int, slot: int) -> torch.Tensor:
         """Flat device buffer of one slot (for inspection)."""
-        return self._layer(layer).slots[slot]
+        return self._layer(layer).rows[slot]
 
     # -- movement -----------------------------------------------------------------------
     def _place(self, uid: ExpertUID, st: _Layer) -> tuple[int, Ticket, bool] | None:
@@ -253,10 +323,18 @@ class ExpertCache:
             st.policy.touch(uid.expert)
             return slot, st.ready[slot], True
         got = st.policy.admit(uid.expert)
+        if got is None and self._pool:  # every own slot protected: borrow a staging buffer
+            buf, last_use = self._pool.pop()
+            st.policy.grow()
+            st.rows.append(buf)
+            st.ready.append(CompletedTicket())
+            st.last_use.append(last_use)
+            got = st.policy.admit(uid.expert)
+            self.counters.staged_loads += 1
         if got is None:
             return None
         slot, _evicted = got
-        ticket = self.link.submit(self.store.buffer(uid), st.slots[slot], after=st.last_use[slot])
+        ticket = self.link.submit(self.store.buffer(uid), st.rows[slot], after=st.last_use[slot], tag=uid)
         st.ready[slot] = ticket
         st.last_use[slot] = None
         self.counters.loads += 1
@@ -309,7 +387,28 @@ class ExpertCache:
                 st.policy.unprotect(expert)
                 dropped += 1
             st.prefetched = {}
+            self._return_staging(st)
         return dropped
+
+    def _return_staging(self, st: _Layer) -> None:
+        """Give borrowed buffers back: evict the LRU unprotected expert and drop the top slot,
+        moving the top slot's (unprotected) expert into the victim's slot by swapping buffers.
+        Stops when nothing can be evicted or moved yet; a later release continues."""
+        while st.policy.capacity > st.own:
+            top = st.policy.capacity - 1
+            holder = st.policy.holder(top)
+            if holder is not None:
+                victim = st.policy.choose_victim()
+                if victim is None or (holder != victim and st.policy.is_protected(holder)):
+                    return
+                freed = st.policy.evict(victim)
+                if holder != victim:
+                    st.policy.relocate(holder, freed)
+                    for lst in (st.rows, st.ready, st.last_use):
+                        lst[freed], lst[top] = lst[top], lst[freed]
+            st.policy.drop_top_slot()
+            st.ready.pop()
+            self._pool.append((st.rows.pop(), st.last_use.pop()))
 
     def wait(self, handle: SlotHandle) -> float:
         """Order the caller's compute after the slot's copy; adds host-blocked time to ``copy_wait_s``."""
@@ -321,7 +420,7 @@ class ExpertCache:
         """Device ``(gate_up [2I,H], down [H,I])`` of the handle's slot."""
         if handle.released:
             raise RuntimeError(f"handle of {handle.uid} was already released")
-        return self.store.layout.views(self._layer(handle.uid.layer).slots[handle.slot])
+        return self.store.layout.views(self._layer(handle.uid.layer).rows[handle.slot])
 
     def release(self, handle: SlotHandle) -> None:
         """End a use of the slot: unprotect it and (on CUDA) record its last use."""
@@ -338,3 +437,5 @@ class ExpertCache:
             event.record(torch.cuda.current_stream(self.device))
             st.last_use[handle.slot] = event
         handle.released = True
+        if st.policy.capacity > st.own:
+            self._return_staging(st)

@@ -1,0 +1,113 @@
+"""Mixtral-Offloading (Eliseev & Mazur, 2023) on the shared runtime: `method=mo_sc` and `method=mo_sm`.
+
+Greedy autoregressive decoding. Each MoE layer keeps an LRU cache of experts on the device; an
+expert the router asks for and the cache lacks is loaded on demand through the transfer link.
+No prefetch, no speculation. A pool of staging buffers shared by all layers (4, the original's
+default) takes loads while every slot of a layer is in use; it is device memory and counts
+against the budget.
+
+    mo_sc  same cache:  M slots per layer, the memory tier's resident experts (Specter's M)
+    mo_sm  same memory: the bytes Specter spends on its INT4 draft and on its (K+1)-token window
+                        (KV positions, activations, logits) become extra slots instead:
+
+           M' = min(E, floor((F_specter − non_expert − staging − KV_1 − scratch_1) / (L · expert_bytes)))
+
+           F_specter = non_expert + M·L·expert_bytes + INT4 draft + KV_{K+1} + scratch_{K+1}, the
+           accounting every method's budget check uses; the numbers go to env.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from specter.harness.config import ConfigError, effective_K, resident_experts
+from specter.harness.methods import OffloadAR
+from specter.harness.runtime import resize_cache, scratch_bytes
+from specter.offload.runtime import Runtime
+from specter.quant.draft import build_draft
+
+
+class MixtralOffloading(OffloadAR):
+    """MO-SC: the tier's M slots per layer plus the shared staging buffers."""
+
+    name = "mo_sc"
+
+    def __init__(self, cfg: DictConfig, checkpoint: Path, resident: int | None = None):
+        staging = cfg.method.staging_buffers
+        if not isinstance(staging, int) or staging < 0:
+            raise ConfigError(f"method.staging_buffers must be an integer >= 0, got {staging!r}")
+        super().__init__(cfg, checkpoint, resident=resident, staging=staging)
+
+    def environment(self) -> dict[str, Any]:
+        return {**super().environment(), "staging_buffers": self.rt.cache.staging}
+
+
+class MixtralOffloadingSM(MixtralOffloading):
+    """MO-SM: as many slots as Specter's device bytes at this tier pay for (or the artifact's preset)."""
+
+    name = "mo_sm"
+
+    def __init__(self, cfg: DictConfig, checkpoint: Path):
+        super().__init__(cfg, checkpoint)  # the tier's M first: the model is loaded once
+        rt = self.rt
+        self.derivation = same_memory_residents(rt, K=effective_K(cfg), specter_resident=resident_experts(cfg),
+                                                prefix_tokens=cfg.prefix_tokens, max_new_tokens=cfg.max_new_tokens)
+        preset = (cfg.method.get("presets") or {}).get(cfg.model.name, {}).get(cfg.memory.name)
+        explicit = cfg.method.get("residents")
+        M = explicit if explicit is not None else preset if preset is not None else self.derivation["resident"]
+        self.derivation["used"] = {"resident": M, "from": "method.residents" if explicit is not None else
+                                   f"method.presets.{cfg.model.name}" if preset is not None else "derived"}
+        if not isinstance(M, int) or not 1 <= M <= rt.om.num_experts:
+            raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {cfg.model.name} has {rt.om.num_experts}")
+        self.rt = resize_cache(rt, M)
+        self.rt.enforce_budget(f"{cfg.model.name} mo_sm at memory={cfg.memory.name} (M={M})")
+        self.derivation["used"]["footprint_bytes"] = self.rt.footprint.total
+
+    def environment(self) -> dict[str, Any]:
+        return {**super().environment(), "same_memory_derivation": self.derivation}
+
+
+def int4_draft_bytes(rt: Runtime) -> int:
+    """Device bytes of the INT4 draft experts Specter keeps resident on this runtime's device.
+
+    The packed layout is the same for RTN and GPTQ, and every MoE layer has the same shape, so
+    one layer is quantized (RTN, fast) and its bytes are multiplied by the number of layers."""
+    om, cache = rt.om, rt.cache
+    one_layer = SimpleNamespace(moe_layers=om.moe_layers[:1], store=om.store)
+    per_layer = sum(d.nbytes for d in build_draft(one_layer, "rtn", cache.device, cache.dtype).values())
+    return per_layer * len(om.moe_layers)
+
+
+def same_memory_residents(rt: Runtime, K: int, specter_resident: int, prefix_tokens: int,
+                          max_new_tokens: int) -> dict[str, Any]:
+    """MO-SM's slot count with the footprint accounting of the budget check, and its derivation."""
+    om, fp = rt.om, rt.footprint
+    L, E, eb = len(om.moe_layers), om.num_experts, om.store.nbytes_per_expert
+    seq1 = prefix_tokens + max_new_tokens + 1  # positions of an autoregressive run (K = 0)
+    if fp.kv_cache % seq1:
+        raise ValueError(f"KV bytes {fp.kv_cache} are not a multiple of the {seq1} positions they were sized for")
+    kv_token = fp.kv_cache // seq1
+    cfgm, dtype = om.model.config, rt.cache.dtype
+    specter = {
+        "K": K, "resident": specter_resident, "non_expert": fp.non_expert,
+        "cache_slots": specter_resident * L * eb, "int4_draft": int4_draft_bytes(rt),
+        "kv_cache": kv_token * (seq1 + K), "scratch": scratch_bytes(cfgm, K, 1, dtype),
+    }
+    specter["total"] = sum(v for k, v in specter.items() if k not in ("K", "resident"))
+    staging = rt.cache.staging * eb
+    fixed = fp.non_expert + staging + kv_token * seq1 + scratch_bytes(cfgm, 0, 1, dtype)
+    slot_row = L * eb  # one more slot in every MoE layer
+    resident = min(E, (specter["total"] - fixed) // slot_row)
+    return {
+        "formula": "M' = min(E, floor((F_specter - non_expert - staging - kv_1 - scratch_1) / (L * expert_bytes)))",
+        "specter_footprint": specter,
+        "mo_sm_fixed": {"non_expert": fp.non_expert, "staging_buffers": staging, "kv_cache": kv_token * seq1,
+                        "scratch": scratch_bytes(cfgm, 0, 1, dtype), "total": fixed},
+        "L": L, "E": E, "expert_bytes": eb, "resident": int(resident),
+        "mo_sm_footprint": fixed + int(resident) * slot_row,
+    }
