@@ -76,7 +76,7 @@ def test_slurm_launcher_config_composes(tmp_path):
     import sys
 
     env = dict(os.environ, SPECTER_SLURM_PARTITION="gpu")
-    res = subprocess.run([sys.executable, str(REPO / "run.py"), "hydra/launcher=slurm", "--cfg", "hydra", "--resolve"],
+    res = subprocess.run([sys.executable, str(REPO / "run.py"), "hydra/launcher=slurm", "--cfg", "hydra", "--package", "hydra.launcher", "--resolve"],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "SlurmLauncher" in res.stdout and "partition: gpu" in res.stdout and "gpus_per_node: 1" in res.stdout

@@ -83,6 +83,8 @@ def order_models(names: Iterable[str]) -> list[str]:
 
 
 def model_label(name: str) -> str:
+    if name in REAL_OF_TINY:
+        return f"{name} (mirrors {MODEL_LABELS[REAL_OF_TINY[name]]})"
     return MODEL_LABELS.get(name, name)
 
 
