@@ -12,6 +12,7 @@ Every MoE block keeps its own router and shared experts; only `block.experts` is
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,17 +31,28 @@ SCHEDULES = ("expert", "token")
 
 @dataclass
 class RouteLog:
-    """The target's actual experts per MoE layer for the current window (for metrics and the oracle)."""
+    """The target's routes per window and MoE layer: which experts, and how many (token, slot) routes
+    each took (for metrics, the I/O oracle and the routing-diversity figure)."""
 
     windows: list[dict[int, set[int]]] = field(default_factory=list)
+    counts: list[dict[int, Counter]] = field(default_factory=list)
 
     def begin_window(self) -> None:
         self.windows.append({})
+        self.counts.append({})
 
     def add(self, layer: int, topk_idx: torch.Tensor) -> None:
         if not self.windows:
             self.begin_window()
-        self.windows[-1].setdefault(layer, set()).update(topk_idx.flatten().tolist())
+        ids = topk_idx.flatten().tolist()
+        self.windows[-1].setdefault(layer, set()).update(ids)
+        self.counts[-1].setdefault(layer, Counter()).update(ids)
+
+    def rows(self) -> list[dict[str, int]]:
+        """One row per (window, layer, expert) with its route count."""
+        return [{"window": w, "layer": layer, "expert": e, "count": n}
+                for w, per_layer in enumerate(self.counts)
+                for layer, counter in sorted(per_layer.items()) for e, n in sorted(counter.items())]
 
 
 Mode = Literal["target", "draft"]
