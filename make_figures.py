@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 
-from specter.figures.cli import main  # noqa: E402
+from specter.figures.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main(repo=REPO))

@@ -43,8 +43,8 @@ import socket
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 try:
     from specter.harness.datasets import (
@@ -61,7 +61,7 @@ try:
 except ModuleNotFoundError as exc:  # run as a file from elsewhere: specter is not importable
     sys.exit(f"error: {exc}. Run from the repository root: python -m initialization.prepare_datasets --help")
 
-from initialization.download_models import DownloadError, LocalMirror, sha256_file  # noqa: E402
+from initialization.download_models import DownloadError, LocalMirror, sha256_file
 
 GPQA_URL = "https://github.com/idavidrein/gpqa/raw/main/dataset.zip"
 MANIFEST = "MANIFEST.json"
@@ -313,7 +313,7 @@ def _copy_wikitext(source: Path, assets: Path, variant: str) -> Path | None:
         if path.is_file():
             dest = _wikitext_dest(assets, variant)
             if path.resolve() != dest.resolve():
-                _atomic_write(dest, lambda p: shutil.copyfile(path, p))
+                _atomic_write(dest, lambda p, src=path: shutil.copyfile(src, p))
             return dest
     zipname = "wikitext-2-raw-v1.zip" if variant == "raw" else "wikitext-2-v1.zip"
     for path in sorted(source.rglob(zipname)):
@@ -323,7 +323,8 @@ def _copy_wikitext(source: Path, assets: Path, variant: str) -> Path | None:
             members = [n for n in zf.namelist() if n.endswith("/" + wanted_name) or n == wanted_name]
             if members:
                 dest = _wikitext_dest(assets, variant)
-                _atomic_write(dest, lambda p: p.write_bytes(zf.read(members[0])))
+                data = zf.read(members[0])
+                _atomic_write(dest, lambda p, data=data: p.write_bytes(data))
                 return dest
     return None
 

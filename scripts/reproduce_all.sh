@@ -18,9 +18,10 @@
 #
 # Settings (environment variables):
 #   QUICK=1        1 prompt x 2 repeats per dataset, 32 new tokens, K in {4,8,16} swept on the low
-#                  tier only, batch sizes {1,2,4}; results in results/quick, figures in figures/quick.
-#                  About 20-30 min on 2 CPU cores once the tiny models are trained (training: 5 min
-#                  per model, once)
+#                  tier only, batch sizes {1,2,4} over 4 prompts; results in results/quick, figures
+#                  in figures/quick.
+#                  An estimate: 30-40 min on 2 CPU cores with every method of conf/method, once the
+#                  tiny models are trained (training: 5 min per model, once)
 #   MODELS         default "tiny_dsv2 tiny_qwen tiny_phi"
 #   TIERS          default "high low"
 #   HARDWARE       emulated (default; target_only runs on hardware=cpu: it moves no experts) | cpu | cuda
@@ -54,7 +55,7 @@ if [[ "$QUICK" == 1 ]]; then
   PROTOCOL=(num_prompts=1 repeats=2 max_new_tokens=32 warmup_tokens=8)
   SWEEP=(num_prompts=1 repeats=1 max_new_tokens=32 warmup_tokens=8 "k_sweep.values=[4,8,16]")
   SWEEP_TIERS="low"
-  BATCH=(num_prompts=1 max_new_tokens=32 warmup_tokens=8 "batch_sizes=[1,2,4]")
+  BATCH=(num_prompts=4 max_new_tokens=32 warmup_tokens=8 "batch.sizes=[1,2,4]")
 else
   RESULTS="${RESULTS:-results}"; FIGURES="${FIGURES:-figures}"; MODE=full
   PROTOCOL=(); SWEEP=(); SWEEP_TIERS="$TIERS"; BATCH=()
@@ -173,7 +174,7 @@ if [[ -f conf/experiment/batch.yaml ]]; then
       extra=(); [[ "$method" == specter ]] && extra=(k_profile="$(k_profile "$m" high)")
       add "batch-$m-$method" "$PY" run.py experiment=batch model="$m" memory=high method="$method" \
         hardware="$(method_hw "$method")" dataset="$DATASET" $(trained_opt "$m") "${BATCH[@]}" "${extra[@]}" \
-        output_dir="$RESULTS/batch/$m-$method-high"
+        output_dir="$RESULTS/batch/$m-$method-high-$(method_hw "$method")"
     done
   done
 else

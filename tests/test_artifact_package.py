@@ -9,7 +9,6 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
 from test_figures import make_results
 
 REPO = Path(__file__).resolve().parents[1]

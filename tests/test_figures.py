@@ -50,6 +50,7 @@ def make_results(root: Path, with_trace: bool = True) -> Path:
     _run(root / "main" / "tiny_dsv2-offload_ar-high", "offload_ar")
     _run(root / "main" / "tiny_dsv2-zeta_offload-high", "zeta_offload")
     _run(root / "main" / "tiny_dsv2-specter-high-b4", "specter", batch_size=4, prefetch="adaptive")  # not Fig. 14
+    _run(root / "batch" / "tiny_dsv2-specter-high" / "B=1", "specter", prefetch="adaptive")  # nor a batch's B=1
     # K sweep (Fig. 7): chosen K = 8 recorded in k_profile.json; a K= point is not a main-grid record
     ks = root / "k_sweep" / "tiny_dsv2-low-emulated"
     ks.mkdir(parents=True)

@@ -6,7 +6,6 @@ import importlib.util
 
 import pandas as pd
 import pytest
-
 from conftest import FIXTURES, REPO, run_cli
 
 JOB = ["dataset=humaneval", "num_prompts=1", "repeats=1", "max_new_tokens=4", "warmup_tokens=1", "progress=false",
@@ -76,7 +75,8 @@ def test_slurm_launcher_config_composes(tmp_path):
     import sys
 
     env = dict(os.environ, SPECTER_SLURM_PARTITION="gpu")
-    res = subprocess.run([sys.executable, str(REPO / "run.py"), "hydra/launcher=slurm", "--cfg", "hydra", "--package", "hydra.launcher", "--resolve"],
+    cmd = ["hydra/launcher=slurm", "--cfg", "hydra", "--package", "hydra.launcher", "--resolve"]
+    res = subprocess.run([sys.executable, str(REPO / "run.py"), *cmd],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "SlurmLauncher" in res.stdout and "partition: gpu" in res.stdout and "gpus_per_node: 1" in res.stdout

@@ -21,7 +21,8 @@ def dry_run(tmp_path: Path, **env) -> tuple[list[tuple[str, list[str]]], str]:
     out = tmp_path / "out"
     full = dict(os.environ, DRY_RUN="1", SPECTER_HOME=str(tmp_path / "home"), RESULTS=str(out / "results"),
                 FIGURES=str(out / "figures"), LOGS=str(out / "logs"), **env)
-    full.pop("METHODS", None) if "METHODS" not in env else None
+    if "METHODS" not in env:
+        full.pop("METHODS", None)
     res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=full, timeout=60)
     assert res.returncode == 0, res.stderr
     assert not out.exists() and not (tmp_path / "home").exists()  # a dry run writes nothing
@@ -42,7 +43,7 @@ def default_methods() -> list[str]:
 
 
 def test_quick_plan(tmp_path):
-    steps, stdout = dry_run(tmp_path, QUICK="1")
+    steps, _ = dry_run(tmp_path, QUICK="1")
     names = [n for n, _ in steps]
     assert names[:3] == [f"quick.train-{m}" for m in TINY]
     assert "quick.datasets" in names
@@ -79,7 +80,7 @@ def test_quick_plan_overrides_compose(tmp_path):
 
 
 def test_methods_and_paper_config(tmp_path):
-    steps, stdout = dry_run(tmp_path, METHODS="specter offload_ar", HARDWARE="cuda", MODELS="dsv2 qwen15moe phi35moe")
+    steps, _ = dry_run(tmp_path, METHODS="specter offload_ar", HARDWARE="cuda", MODELS="dsv2 qwen15moe phi35moe")
     names = [n for n, _ in steps]
     assert not [n for n in names if "train-" in n]  # real models are not trained here
     assert {n for n in names if n.startswith("full.main-")} == {

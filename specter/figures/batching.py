@@ -17,8 +17,19 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from specter.figures.common import (Output, Skip, legend_above, method_colors, method_label, model_label,
-                                    order_datasets, order_methods, order_models, style_axes, subplots)
+from specter.figures.common import (
+    Output,
+    Skip,
+    legend_above,
+    method_colors,
+    method_label,
+    model_label,
+    order_datasets,
+    order_methods,
+    order_models,
+    style_axes,
+    subplots,
+)
 from specter.figures.data import ResultSet
 
 NAME15, NAME16, NAME_T3, NAME_SCALE = "fig15_batch_tpot", "fig16_batch_working_set", "table3_batch", "table_batch_scaling"

@@ -29,8 +29,18 @@ import time
 import traceback
 from pathlib import Path
 
-from specter.figures import (batching, draft_kernel, headline, io_oracle, k_sweep, paper_compare, routing, timeline,
-                             tpot_grid, verify_schedule)
+from specter.figures import (
+    batching,
+    draft_kernel,
+    headline,
+    io_oracle,
+    k_sweep,
+    paper_compare,
+    routing,
+    timeline,
+    tpot_grid,
+    verify_schedule,
+)
 from specter.figures.common import Output, Skip
 from specter.figures.data import ResultSet, default_results
 

@@ -4,8 +4,9 @@ A *result set* is a folder searched recursively. Inside it:
 
   records.csv          one row per generated sequence (specter/harness/records.py), beside the run's
                        config.yaml; records under a `K=<k>` folder are K-sweep points (read through
-                       k_sweep.csv) and records under a `bench` folder are side benchmarks (prefetch
-                       ablations), kept apart from the main grid
+                       k_sweep.csv), under a `B=<b>` folder batched requests (read through batch.csv)
+                       and under a `bench` folder side benchmarks (prefetch ablations): all kept
+                       apart from the main grid
   k_sweep.csv          one row per K (+ k_profile.json: the chosen K)
   draft_kernel*.csv    draft-kernel benchmark (scripts/bench_draft_kernel.py)
   verify_schedule.csv  expert-wise vs token-wise verification (scripts/bench_verify.py)
@@ -20,7 +21,6 @@ Missing or extra columns are tolerated: a figure uses what it needs and skips wi
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -121,16 +121,21 @@ class ResultSet:
     def __init__(self, root: Path, paper: Path | None = None):
         self.root = Path(root)
         self.paper = Path(paper) if paper is not None else None
+        self._configs: dict[Path, dict[str, Any]] = {}
+        self._records: pd.DataFrame | None = None
+        self._records: pd.DataFrame | None = None
 
     def files(self, *patterns: str) -> list[Path]:
         """Matching files below the root, less the set-aside folders directly under it (a results/
         root holds quick/, reference/ ... beside its own runs: other result sets)."""
         return list(_walk(self.root, patterns, SET_ASIDE))
 
-    @lru_cache(maxsize=None)
     def config(self, folder: Path) -> dict[str, Any]:
-        path = Path(folder) / "config.yaml"
-        return read_yaml(path) if path.exists() else {}
+        folder = Path(folder)
+        if folder not in self._configs:
+            path = folder / "config.yaml"
+            self._configs[folder] = read_yaml(path) if path.exists() else {}
+        return self._configs[folder]
 
     def family(self, model: str, folder: Path | None = None) -> str:
         """The real model a (tiny) model mirrors: model.real from config.yaml, else a name map."""
@@ -142,8 +147,12 @@ class ResultSet:
 
     # ------------------------------------------------------------ records
 
-    @lru_cache(maxsize=None)
     def _all_records(self) -> pd.DataFrame:
+        if self._records is None:
+            self._records = self._read_records()
+        return self._records
+
+    def _read_records(self) -> pd.DataFrame:
         frames = []
         for path in self.files("records.csv"):
             rel = path.parent.relative_to(self.root).parts
@@ -165,7 +174,8 @@ class ResultSet:
             if "repeat" not in df.columns:
                 df["repeat"] = 0
             df["run"] = str(path.parent.relative_to(self.root)) or "."
-            df["source"] = "bench" if "bench" in rel else "main"
+            df["source"] = ("batch" if any(p.startswith("B=") for p in rel) else "bench" if "bench" in rel
+                            else "main")
             df["family"] = [self.family(str(m), path.parent) for m in df["model"]]
             method_cfg = {k: v for k, v in flatten(cfg.get("method") or {}).items() if k != "name"}
             df["_method_cfg"] = json.dumps(method_cfg, sort_keys=True, default=str)
@@ -185,7 +195,7 @@ class ResultSet:
         return records.drop(columns="_method_cfg")
 
     def records(self, source: str = "main") -> pd.DataFrame:
-        """Records of the main grid ('main'), of side benchmarks ('bench') or all ('all')."""
+        """Records of the main grid ('main'), side benchmarks ('bench'), batches ('batch') or all ('all')."""
         df = self._all_records()
         if df.empty or source == "all":
             return df
@@ -210,7 +220,7 @@ class ResultSet:
     def run_info(self, folder: Path) -> dict[str, Any]:
         """model / memory / method / hardware of a run folder, from its config.yaml."""
         cfg = self.config(folder)
-        name = lambda key: (cfg.get(key) or {}).get("name") if isinstance(cfg.get(key), dict) else cfg.get(key)  # noqa: E731
+        name = lambda key: (cfg.get(key) or {}).get("name") if isinstance(cfg.get(key), dict) else cfg.get(key)
         model = name("model")
         return {"model": model, "memory": name("memory"), "method": name("method"), "hardware": name("hardware"),
                 "family": self.family(str(model), folder) if model else None,

@@ -9,8 +9,19 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.patches import Patch
 
-from specter.figures.common import (Output, Skip, legend_above, method_colors, method_label, model_label,
-                                    order_methods, order_models, order_tiers, style_axes, subplots)
+from specter.figures.common import (
+    Output,
+    Skip,
+    legend_above,
+    method_colors,
+    method_label,
+    model_label,
+    order_methods,
+    order_models,
+    order_tiers,
+    style_axes,
+    subplots,
+)
 from specter.figures.data import ResultSet
 
 NAME = "io_vs_oracle"

@@ -14,8 +14,16 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from specter.figures.common import (TIER_ORDER, Output, Skip, legend_above, model_label, order_models, style_axes,
-                                    subplots)
+from specter.figures.common import (
+    TIER_ORDER,
+    Output,
+    Skip,
+    legend_above,
+    model_label,
+    order_models,
+    style_axes,
+    subplots,
+)
 from specter.figures.data import ResultSet
 
 NAME = "fig07_k_sweep"

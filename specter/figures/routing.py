@@ -16,8 +16,18 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from specter.figures.common import (Output, Skip, dataset_label, model_label, order_datasets, order_models,
-                                    order_tiers, percentile, style_axes, subplots)
+from specter.figures.common import (
+    Output,
+    Skip,
+    dataset_label,
+    model_label,
+    order_datasets,
+    order_models,
+    order_tiers,
+    percentile,
+    style_axes,
+    subplots,
+)
 from specter.figures.data import ResultSet
 
 NAME = "fig13_routing"

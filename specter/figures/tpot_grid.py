@@ -16,9 +16,22 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from specter.figures.common import (Output, Skip, dataset_label, legend_above, method_colors, method_label,
-                                    model_label, order_datasets, order_methods, order_models, order_tiers,
-                                    percentile, style_axes, subplots)
+from specter.figures.common import (
+    Output,
+    Skip,
+    dataset_label,
+    legend_above,
+    method_colors,
+    method_label,
+    model_label,
+    order_datasets,
+    order_methods,
+    order_models,
+    order_tiers,
+    percentile,
+    style_axes,
+    subplots,
+)
 from specter.figures.data import ResultSet
 
 NAME = "fig14_tpot"
@@ -53,7 +66,7 @@ def _row(model, memory, variant, dataset, tpot: pd.Series, per_repeat: pd.Series
         "model": model, "memory": memory, "dataset": dataset, "method": variant,
         "mean_ms": float(tpot.mean()), "median_ms": float(tpot.median()), "p90_ms": percentile(tpot, 90),
         "std_repeats_ms": float(per_repeat.std(ddof=1)) if len(per_repeat) > 1 else float("nan"),
-        "records": int(tpot.notna().sum()), "repeats": int(len(per_repeat)), "datasets": datasets,
+        "records": int(tpot.notna().sum()), "repeats": len(per_repeat), "datasets": datasets,
     }
 
 
