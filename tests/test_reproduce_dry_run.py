@@ -72,7 +72,7 @@ def test_quick_plan_overrides_compose(tmp_path):
     """Every run.py command of the plan names valid config groups and keys."""
     from conftest import compose
 
-    steps, _ = dry_run(tmp_path, QUICK="1", MODELS="tiny_qwen")
+    steps, _ = dry_run(tmp_path, QUICK="1", MODELS="tiny_qwen", TIERS="high")
     runs = [cmd for _, cmd in steps if cmd[:2] == ["python", "run.py"]]
     assert runs
     for cmd in runs:
