@@ -4,8 +4,11 @@
     python run.py model=tiny_dsv2 method=specter memory=low dataset=gsm8k num_prompts=2
     python run.py experiment=main model=tiny_phi method=offload_ar hardware=emulated
     python run.py --help                              # every group and option
+    python run.py -m model=tiny_qwen,tiny_dsv2 ...    # a Hydra multirun (sweeps, launchers)
 
-Config groups live in conf/ (model, memory, dataset, method, hardware, experiment).
+Config groups live in conf/ (model, memory, dataset, method, hardware, experiment). Plain
+`key=value` runs go through `specter.harness.cli.main` (one-line errors, exit status 2); Hydra's
+own flags (`--help`, `--cfg`, `-m`, `hydra.*` overrides) go through Hydra's entry point.
 """
 
 from __future__ import annotations
@@ -15,14 +18,14 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from specter.harness.errors import USER_ERRORS, report
 from specter.harness.schema import register_schemas
 
 register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
+    from specter.harness.errors import USER_ERRORS, report
     from specter.harness.experiments import run_experiment
 
     try:
@@ -32,5 +35,15 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def _needs_hydra(argv: list[str]) -> bool:
+    """Hydra flags and hydra.* overrides need Hydra's launcher; plain overrides do not."""
+    return any(a.startswith("-") or a.lstrip("+~").startswith(("hydra.", "hydra/")) for a in argv)
+
+
 if __name__ == "__main__":
-    main()
+    if _needs_hydra(sys.argv[1:]):
+        hydra_main()
+    else:
+        from specter.harness.cli import main
+
+        sys.exit(main(sys.argv[1:]))

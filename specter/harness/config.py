@@ -73,6 +73,10 @@ def validate(cfg: DictConfig) -> None:
     budget = cfg.memory.budget_mb
     _require(budget is None or budget > 0, f"memory.budget_mb must be > 0 (or null for the tier's budget), got {budget}")
     m = cfg.method
+    # methods without an offloading schedule (schema.OffloadMethodConfig) keep every weight on the device
+    _require(budget is None or "schedule" in m,
+             f"{m.name} keeps every weight on the device and does not apply a memory budget; drop "
+             "memory.budget_mb, or use an offloading method (offload_ar, specter)")
     for key, choices in (("prefetch", POLICIES), ("schedule", SCHEDULES), ("quant", QUANT_METHODS),
                          ("planner_state", PLANNER_STATES)):
         if m.get(key) is not None:
@@ -123,12 +127,20 @@ def _profiled_K(cfg: DictConfig) -> int:
     from pathlib import Path
 
     path = Path(cfg.k_profile)
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"k_profile={path} does not exist; run experiment=k_sweep first")
     try:
         profile = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"k_profile={path} cannot be read ({err})") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"k_profile={path} is not valid JSON ({err})") from None
+    if not isinstance(profile, dict):
+        raise ConfigError(f"k_profile={path} holds a {type(profile).__name__}, not the JSON object "
+                          "experiment=k_sweep writes")
     if profile.get("model") != cfg.model.name:
         raise ConfigError(f"k_profile={path} was measured for {profile.get('model')!r}, not {cfg.model.name!r}")
-    return profile["K"]
+    K = profile.get("K")
+    if not isinstance(K, int) or isinstance(K, bool) or K < 1:
+        raise ConfigError(f"k_profile={path} has no usable K (K={K!r}); run experiment=k_sweep again")
+    return K

@@ -85,6 +85,18 @@ class PromptSet:
     name: str
     texts: list[str]
     source: str  # "assets:<path>", "hub:<repo>" or "bundled:<package>/<file>"
+    file_sha256: str | None = None  # sha256 of the source file (None for the hub)
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a dataset file: recorded with results so a resumed run can prove it reads the same."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- file readers
@@ -411,7 +423,8 @@ def load_prompt_set(
         if found is not None:
             path, asset = found
             texts = _texts(spec, _guarded(path, asset.reader(path)), str(path))
-            return PromptSet(spec.name, _select(texts, num_prompts, seed, str(path)), f"assets:{path}")
+            chosen = _select(texts, num_prompts, seed, str(path))
+            return PromptSet(spec.name, chosen, f"assets:{path}", file_sha256(path))
         dirs = " or ".join(str(d) for d in _asset_dirs(spec.name, assets_dir))
         tried.append(f"assets: none of {[a.relpath for a in spec.assets]} in {dirs}")
 
@@ -442,7 +455,8 @@ def load_prompt_set(
             with resources.as_file(ref) as path:
                 texts = _texts(spec, _guarded(path, _read_jsonl(path)), str(path))
                 chosen = _select(texts, num_prompts, seed, str(path))
-            return PromptSet(spec.name, chosen, f"bundled:{package}/{resource}")
+                digest = file_sha256(path)
+            return PromptSet(spec.name, chosen, f"bundled:{package}/{resource}", digest)
 
     raise DatasetUnavailable(_unavailable_message(spec, assets_dir, tried))
 

@@ -1,6 +1,7 @@
-"""Errors a user can fix, reported as one clear message instead of a traceback.
+"""Errors a user can fix, reported as one clear line instead of a traceback.
 
-Engine packages define their own exceptions; this module only collects them for the CLI.
+Engine packages define their own exceptions; this module only collects them for the CLI, and
+condenses Hydra's multi-line composition errors (a wrong type, an unknown option) into one line.
 """
 
 from __future__ import annotations
@@ -12,14 +13,59 @@ from specter.harness.datasets import DatasetFormatError, DatasetUnavailable
 from specter.models.loading import WeightError
 from specter.models.registry import ModelUnavailable
 from specter.offload.budget import BudgetError
+from specter.offload.calibrate import CalibrationError
 from specter.quant.calibration import CorruptDraft
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, ModelUnavailable, BudgetError, DatasetUnavailable, DatasetFormatError, CorruptDraft, WeightError,
+    CalibrationError,
 )
 
-__all__ = ["USER_ERRORS", "BudgetError", "ConfigError", "report"]
+__all__ = ["USER_ERRORS", "BudgetError", "ConfigError", "composition_error", "report"]
+
+
+def one_line(text: str) -> str:
+    """The message's non-empty lines joined with "; " (a terminal line per error, greppable)."""
+    return "; ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+_DETAIL = ("full_key:", "object_type=", "reference_type=")  # OmegaConf's location lines
+
+
+def composition_error(err: BaseException) -> ConfigError:
+    """A Hydra/OmegaConf composition failure as one ConfigError line: what failed and why.
+
+    Drops Hydra's search-path listing, documentation links and OmegaConf's `full_key`/`object_type`
+    detail lines; keeps the available options of a missing group choice.
+    """
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    keep: list[str] = []
+    options: list[str] = []
+    in_options = False
+    for line in lines:
+        if line.startswith(_DETAIL):
+            continue
+        if line.startswith(("Config search path", "provider=", "See https://", "Set the environment variable")):
+            in_options = False
+            continue
+        if line.startswith("Available options in"):
+            in_options = True
+            continue
+        if in_options:
+            options.append(line)
+        else:
+            keep.append(line)
+    msg = "; ".join(line.rstrip(":.") for line in keep) or type(err).__name__
+    if options:
+        msg += f" (available: {', '.join(options)})"
+    cause = err.__cause__ or err.__context__
+    if cause is not None and str(cause).strip():
+        detail = [line.strip() for line in str(cause).splitlines()
+                  if line.strip() and not line.strip().startswith(_DETAIL)]
+        if detail and detail[0] not in msg:
+            msg += f": {detail[0]}"
+    return ConfigError(msg)
 
 
 def report(err: BaseException) -> None:
-    print(f"specter: error: {err}", file=sys.stderr)
+    print(f"specter: error: {one_line(str(err))}", file=sys.stderr, flush=True)

@@ -1,11 +1,28 @@
-"""Result folders: never overwrite a finished record, resume an interrupted run."""
+"""Result folders: one writer at a time, never overwrite a finished record, resume safely.
+
+A run holds an exclusive lock on its folder (`.specter.lock`, holding the writer's pid) for its
+whole lifetime, so two runs never interleave records; the lock dies with the process, so a
+killed run never leaves the folder locked. Everything but records.csv is written atomically
+(temp file, fsync, rename).
+
+Resuming is allowed only for the same run: the same configuration (`config.yaml`, up to
+`VOLATILE_KEYS`), the same prompts (`provenance.json`: per dataset the source file, its sha256
+and the prompt-set hash) and the same weights (their digest). A folder without a finished
+record belongs to no measurement yet, so it takes a corrected configuration (a start that
+failed on a budget, a missing GPU or a corrupt file does not lock the folder to its mistake).
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import platform
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -13,38 +30,192 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.config import ConfigError
+from specter.harness.records import parse_records
+from specter.paths import atomic_write_text
 
-VOLATILE_KEYS = ("progress", "output_dir", "allow_hub", "assets_dir")  # may differ between resumed runs
+# May differ between resumed runs: they change neither what is measured nor how.
+VOLATILE_KEYS = ("progress", "output_dir", "allow_hub", "assets_dir", "hardware.recalibrate")
 PACKAGES = ("torch", "transformers", "gptqmodel", "hydra-core", "safetensors", "tokenizers", "datasets", "numpy")
+LOCK_NAME = ".specter.lock"
+PROVENANCE_NAME = "provenance.json"
+
+
+class OutputError(ConfigError):
+    """The output folder cannot be used (unwritable, not a folder, locked by another run)."""
 
 
 def comparable(cfg: DictConfig) -> dict[str, Any]:
     data = OmegaConf.to_container(cfg, resolve=True)
     for key in VOLATILE_KEYS:
-        data.pop(key, None)
+        node, *rest = key.split(".")
+        if rest and isinstance(data.get(node), dict):
+            data[node].pop(rest[0], None)
+        elif not rest:
+            data.pop(key, None)
     data.pop("hydra", None)
     return data
 
 
-def open_output_dir(cfg: DictConfig) -> Path:
-    """Create `output_dir` or check that it holds this same run (then it resumes)."""
-    out = Path(cfg.output_dir)
-    saved = out / "config.yaml"
-    if saved.exists():
-        previous = comparable(OmegaConf.load(saved))
-        if previous != comparable(cfg):
-            changed = sorted(k for k in set(previous) | set(comparable(cfg)) if previous.get(k) != comparable(cfg).get(k))
-            raise ConfigError(
-                f"{out} already holds a run with a different configuration (differs in: {changed}). "
-                "Finished records are never overwritten: choose another output_dir=..., or rerun the "
-                "original command to resume it."
-            )
-    elif out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists, is not empty and holds no Specter run: choose another output_dir")
-    out.mkdir(parents=True, exist_ok=True)
-    if not saved.exists():
-        saved.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b), key=str):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k}")
     return out
+
+
+def finished_records(out: Path) -> int:
+    """Finished records in `out/records.csv` (read only; torn or invalid rows do not count)."""
+    try:
+        text = (out / "records.csv").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return 0
+    return len(parse_records(text)[1])
+
+
+def _os_error(out: Path, err: OSError) -> OutputError:
+    reason = err.strerror or str(err)
+    if isinstance(err, NotADirectoryError) or err.errno == errno.ENOTDIR:
+        reason = "a part of that path is a file, not a folder"
+    return OutputError(f"cannot use output_dir={out}: {reason}")
+
+
+def _lock(out: Path) -> int:
+    """Take the folder's exclusive lock (non-blocking) and write our pid into the lock file."""
+    path = out / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise _os_error(out, err) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise OutputError(f"output_dir={out} is in use by another run (pid {holder}); wait for it to finish "
+                          "or choose another output_dir") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as err:
+        os.close(fd)
+        raise _os_error(out, err) from None
+    return fd
+
+
+def _check_config(out: Path, cfg: DictConfig, finished: int, note) -> None:
+    saved = out / "config.yaml"
+    if not saved.exists():
+        return
+    try:
+        previous = comparable(OmegaConf.load(saved))
+    except Exception as err:  # noqa: BLE001 - any unreadable YAML
+        if finished:
+            raise OutputError(f"{saved} is unreadable ({type(err).__name__}) but {out} holds {finished} finished "
+                              "records: choose another output_dir") from None
+        return
+    current = comparable(cfg)
+    if previous == current:
+        return
+    changed = _differences(previous, current)
+    if finished:
+        raise ConfigError(
+            f"{out} already holds a run with a different configuration (differs in: {changed}). "
+            "Finished records are never overwritten: choose another output_dir=..., or rerun the "
+            "original command to resume it."
+        )
+    note(f"{out} holds no finished record yet: taking the new configuration (changed: {', '.join(changed)})")
+
+
+def _check_provenance(out: Path, provenance: dict[str, Any], finished: int) -> None:
+    path = out / PROVENANCE_NAME
+    if not finished or not path.exists():
+        return
+    try:
+        previous = json.loads(path.read_text())
+        before = previous["datasets"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise OutputError(f"{path} is unreadable, so resuming cannot check the prompts: choose another output_dir") \
+            from None
+    for name, now in provenance.get("datasets", {}).items():
+        was = before.get(name)
+        if was is None:
+            continue
+        for field in ("file_sha256", "prompt_set_sha256"):
+            if was.get(field) != now.get(field):
+                raise ConfigError(
+                    f"{out} was measured on other {name} prompts ({field} {str(was.get(field))[:12]} from "
+                    f"{was.get('source')}; now {str(now.get(field))[:12]} from {now.get('source')}). Resuming "
+                    "would mix two prompt sets: use the original assets_dir, or another output_dir."
+                )
+
+
+@contextmanager
+def run_folder(cfg: DictConfig, provenance: dict[str, Any] | None = None, note=None) -> Iterator[Path]:
+    """Create or reopen `output_dir`, locked for the duration of the `with` block.
+
+    Checks that a folder with finished records holds this same run (configuration, prompts), then
+    writes `config.yaml` and `provenance.json` atomically.
+    """
+    note = note or (lambda msg: print(f"specter: {msg}", file=sys.stderr, flush=True))
+    out = Path(cfg.output_dir)
+    try:
+        if out.exists() and not out.is_dir():
+            raise OutputError(f"cannot use output_dir={out}: it is a file, not a folder")
+        if out.exists() and not (out / "config.yaml").exists() and any(
+                p.name != LOCK_NAME for p in out.iterdir()):
+            raise OutputError(f"{out} exists, is not empty and holds no Specter run: choose another output_dir")
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _os_error(out, err) from None
+    fd = _lock(out)
+    try:
+        finished = finished_records(out)
+        _check_config(out, cfg, finished, note)
+        provenance = dict(provenance or {})
+        _check_provenance(out, provenance, finished)
+        try:
+            atomic_write_text(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+            if provenance:
+                previous = read_provenance(out)
+                atomic_write_text(out / PROVENANCE_NAME,
+                                  json.dumps({**previous, **provenance}, indent=1, sort_keys=True))
+        except OSError as err:
+            raise _os_error(out, err) from None
+        yield out
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def read_provenance(out: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((Path(out) / PROVENANCE_NAME).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def check_weights(out: Path, digest: str, finished: int) -> None:
+    """Refuse to resume on other weights than the finished records were measured with; record them."""
+    data = read_provenance(out)
+    was = data.get("weights_sha256")
+    if finished and was and was != digest:
+        raise ConfigError(f"{out} was measured with other weights (sha256 {was[:12]}, now {digest[:12]}): the "
+                          "model was rebuilt or replaced since; use another output_dir")
+    try:
+        atomic_write_text(Path(out) / PROVENANCE_NAME, json.dumps({**data, "weights_sha256": digest}, indent=1,
+                                                                   sort_keys=True))
+    except OSError as err:
+        raise _os_error(Path(out), err) from None
+
+
+def open_output_dir(cfg: DictConfig) -> Path:
+    """Check and prepare `output_dir` without keeping it locked (tools that only inspect a run)."""
+    with run_folder(cfg) as out:
+        return out
 
 
 def _git_sha() -> str | None:
@@ -78,11 +249,15 @@ def environment_info(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return info
 
 
-def write_environment(out: Path, extra: dict[str, Any] | None = None) -> None:
-    """env.json of the first run; a resumed run adds env.resume-N.json beside it."""
+def write_environment(out: Path, extra: dict[str, Any] | None = None) -> Path:
+    """env.json of the first run; a resumed run adds env.resume-N.json beside it (atomic writes)."""
     path = out / "env.json"
     n = 1
     while path.exists():
         path = out / f"env.resume-{n}.json"
         n += 1
-    path.write_text(json.dumps(environment_info(extra), indent=1, sort_keys=True, default=str))
+    try:
+        atomic_write_text(path, json.dumps(environment_info(extra), indent=1, sort_keys=True, default=str))
+    except OSError as err:
+        raise _os_error(out, err) from None
+    return path

@@ -1,27 +1,30 @@
 """The measurement protocol: prompts × repeats → records.csv, summary.csv, config.yaml, env.json.
 
-Order of work: validate the config, load prompts (both fail fast, before any model loads), open
-or resume the output folder, load the method's model, warm up outside timing, then one timed
-generation per missing record, each from a cache reset and a per-record seed.
+Order of work: validate the config and the device, load the prompts and the checkpoint, tokenize
+every prompt (all of these fail fast, before any model loads and before the output folder is
+touched), open the output folder under its lock (resume checks: configuration, prompts,
+weights), load the method's model, warm up outside timing, then one timed generation per missing
+record, each from a cache reset and a per-record seed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from specter.harness.config import resident_experts, validate
-from specter.harness.datasets import expand_datasets, load_prompts
+from specter.harness.config import ConfigError, resident_experts, validate
+from specter.harness.datasets import DatasetFormatError, PromptSet, expand_datasets, load_prompt_set
 from specter.harness.methods import build_method
-from specter.harness.output import open_output_dir, write_environment
-from specter.harness.records import RecordWriter, token_digest
+from specter.harness.output import check_weights, run_folder, write_environment
+from specter.harness.records import RecordWriter, text_digest, token_digest
+from specter.harness.runtime import device_and_dtype, model_checkpoint
 from specter.harness.summary import print_summary, write_summary
 from specter.speculative.sampling import make_generator
-from specter.harness.runtime import model_checkpoint
 
 
 def record_seed(base: int, dataset: str, prompt_index: int, repeat: int) -> int:
@@ -29,65 +32,107 @@ def record_seed(base: int, dataset: str, prompt_index: int, repeat: int) -> int:
     return (base + zlib.crc32(f"{dataset}/{prompt_index}/{repeat}".encode())) % 2**31
 
 
+def prompt_set_digest(texts: list[str]) -> str:
+    """sha256 over the ordered prompts' sha256s: what a resumed run must measure again."""
+    return hashlib.sha256("\n".join(text_digest(t) for t in texts).encode()).hexdigest()
+
+
+def provenance_of(prompt_sets: dict[str, PromptSet]) -> dict:
+    return {"datasets": {ds: {"source": ps.source, "file_sha256": ps.file_sha256, "num_prompts": len(ps.texts),
+                              "prompt_set_sha256": prompt_set_digest(ps.texts)}
+                         for ds, ps in prompt_sets.items()}}
+
+
 def run(cfg: DictConfig) -> Path:
     validate(cfg)
     resident_experts(cfg)
+    device_and_dtype(cfg)  # a missing GPU is reported before anything loads
     datasets = expand_datasets(cfg.dataset.name)
-    prompts = {
-        ds: load_prompts(ds, cfg.num_prompts, cfg.assets_dir, allow_hub=cfg.allow_hub)  # first N, fixed
-        for ds in datasets
+    prompt_sets = {  # first N, fixed
+        ds: load_prompt_set(ds, cfg.num_prompts, cfg.assets_dir, allow_hub=cfg.allow_hub) for ds in datasets
     }
-    out = open_output_dir(cfg)
-    writer = RecordWriter(out / "records.csv")
-    base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
-    todo = [
-        (ds, i, r)
-        for ds in datasets
-        for i in range(len(prompts[ds]))
-        for r in range(cfg.repeats)
-        if not writer.is_done(tuple(str(v) for v in (*base.values(), ds, i, r)))
-    ]
-    if todo:
-        _measure(cfg, out, writer, base, prompts, todo)
-    else:
-        print(f"{out}: every record is already finished; nothing to run (records are never overwritten).")
-    summary = write_summary(out)
+    prompts = {ds: ps.texts for ds, ps in prompt_sets.items()}
+    checkpoint = model_checkpoint(cfg)
+    prompt_ids = _tokenize(cfg, checkpoint, prompt_sets)
+    with run_folder(cfg, provenance_of(prompt_sets)) as out:
+        writer = RecordWriter(out / "records.csv")
+        base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
+        _check_finished_prompts(out, writer, base, prompts)
+        todo = [
+            (ds, i, r)
+            for ds in datasets
+            for i in range(len(prompts[ds]))
+            for r in range(cfg.repeats)
+            if not writer.is_done(tuple(str(v) for v in (*base.values(), ds, i, r)))
+        ]
+        if todo:
+            _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo)
+        else:
+            print(f"{out}: every record is already finished; nothing to run (records are never overwritten).")
+        summary = write_summary(out)
     print_summary(summary, title=f"{out}/summary.csv")
     return out
 
 
-def _measure(cfg, out, writer, base, prompts, todo) -> None:
+def _tokenize(cfg: DictConfig, checkpoint: Path, prompt_sets: dict[str, PromptSet]) -> dict[str, list[list[int]]]:
+    """Prompt token ids, truncated to the prefix; a prompt with no token is a dataset error, found early."""
     from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    out = {}
+    for ds, ps in prompt_sets.items():
+        out[ds] = [tokenizer(text, add_special_tokens=False).input_ids[: cfg.prefix_tokens] for text in ps.texts]
+        empty = [i for i, ids in enumerate(out[ds]) if not ids]
+        if empty:
+            raise DatasetFormatError(f"{ps.source}: prompt(s) {empty} of {ds} tokenize to zero tokens")
+    return out
+
+
+def _check_finished_prompts(out: Path, writer: RecordWriter, base: dict, prompts: dict[str, list[str]]) -> None:
+    """Finished records must have been measured on the prompts this run would give them."""
+    for key, digest in writer.prompt_digests.items():
+        if not digest or tuple(key[:3]) != tuple(base.values()):
+            continue
+        ds, i = key[3], int(key[4])
+        texts = prompts.get(ds)
+        if texts is not None and i < len(texts) and text_digest(texts[i]) != digest:
+            raise ConfigError(f"{out}: the finished record for {ds} prompt {i} was measured on another prompt "
+                              f"(prompt_sha256 {digest[:12]}, now {text_digest(texts[i])[:12]}); resuming would "
+                              "mix two prompt sets: use the original assets_dir, or another output_dir")
+
+
+def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> None:
+    from specter.models.registry import checkpoint_digest
 
     if cfg.hardware.get("threads"):
         torch.set_num_threads(int(cfg.hardware.threads))
-    checkpoint = model_checkpoint(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    digest = checkpoint_digest(checkpoint)
+    check_weights(out, digest, writer.finished)
     method = build_method(cfg, checkpoint)
-    write_environment(out, {"method": method.environment(), "checkpoint": str(checkpoint)})
-    device = method.device
-
-    def encode(text: str) -> torch.Tensor:
-        ids = tokenizer(text, add_special_tokens=False).input_ids[: cfg.prefix_tokens]
-        if not ids:
-            raise ValueError("a prompt tokenized to zero tokens")
-        return torch.tensor([ids], device=device)  # [1, P]
-
     try:
+        write_environment(out, {"method": method.environment(), "checkpoint": str(checkpoint),
+                                "weights_sha256": digest, "method_config": OmegaConf.to_container(cfg.method, resolve=True),
+                                "rejected_rows": len(writer.rejected)})
+        device = method.device
+
+        def encode(ds: str, i: int) -> torch.Tensor:
+            return torch.tensor([prompt_ids[ds][i]], device=device)  # [1, P]
+
         if cfg.warmup_tokens > 0:  # outside timing: kernels, allocator, caches
             first_ds = todo[0][0]
-            method.generate(encode(prompts[first_ds][0]), cfg.warmup_tokens, make_generator(device, 0))
+            method.generate(encode(first_ds, 0), cfg.warmup_tokens, make_generator(device, 0))
             method.warmed()
         static = {"hardware": cfg.hardware.name, "prefix_tokens": cfg.prefix_tokens, **method.static_fields()}
         for ds, i, r in tqdm(todo, desc=f"{cfg.method.name}/{cfg.model.name}", disable=not cfg.progress, unit="rec"):
-            prompt_ids = encode(prompts[ds][i])
+            ids = encode(ds, i)
             seed = record_seed(cfg.seed, ds, i, r)
             method.reset()  # outside timing
-            gen = method.generate(prompt_ids, cfg.max_new_tokens, make_generator(device, seed))
+            gen = method.generate(ids, cfg.max_new_tokens, make_generator(device, seed))
             row = {
                 **base, "dataset": ds, "prompt_index": i, "repeat": r, **static,
-                "prefix_tokens": prompt_ids.shape[1], "new_tokens": len(gen.tokens),
+                "prefix_tokens": ids.shape[1], "new_tokens": len(gen.tokens),
                 **gen.clock.latency(), **gen.stats,
+                "prompt_sha256": text_digest(prompts[ds][i]),
                 "output_digest": token_digest(gen.tokens), "seed": seed,
             }
             writer.append(row)

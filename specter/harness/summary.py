@@ -1,4 +1,8 @@
-"""Per-(method, model, memory, dataset) summary of a records.csv, as CSV and a terminal table."""
+"""Per-(method, model, memory, dataset) summary of a records.csv, as CSV and a terminal table.
+
+Only finished records are summarized (`records.read_records` validates every row), and
+summary.csv is written atomically.
+"""
 
 from __future__ import annotations
 
@@ -32,9 +36,14 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_summary(out: Path) -> pd.DataFrame:
-    records = pd.read_csv(out / "records.csv")
-    summary = summarize(records)
-    summary.to_csv(out / "summary.csv", index=False)
+    from specter.harness.records import RecordsError, read_records
+    from specter.paths import atomic_write_text
+
+    summary = summarize(read_records(out / "records.csv"))
+    try:
+        atomic_write_text(out / "summary.csv", summary.to_csv(index=False))
+    except OSError as err:
+        raise RecordsError(f"cannot write {out / 'summary.csv'} ({err.strerror or err})") from None
     return summary
 
 

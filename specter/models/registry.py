@@ -25,15 +25,9 @@ def resolve_checkpoint(name: str, source: str, trained: bool = False, local_dir:
     `source="hub"`: real weights in `local_dir` or already in the Hugging Face cache (never downloads).
     """
     if source == "tiny":
-        if trained:
-            path = tiny.tiny_dir(name, trained=True)
-            if not _has_weights(path):
-                raise ModelUnavailable(
-                    f"the briefly trained {name} is not built yet ({path}).\n"
-                    f"Build it (a few CPU minutes): python -m initialization.train_tiny {name}"
-                )
-            return path
-        return tiny.ensure_tiny(name)
+        if name not in tiny.TINY_SPECS:
+            raise ModelUnavailable(f"unknown tiny model {name!r}; choose one of {sorted(tiny.TINY_SPECS)}")
+        return ensure_trained(name) if trained else tiny.ensure_tiny(name)
     local = Path(local_dir) if local_dir else None
     if local is not None and _has_weights(local):
         return local
@@ -55,6 +49,31 @@ def resolve_checkpoint(name: str, source: str, trained: bool = False, local_dir:
         f"  (set SPECTER_MODELS to choose the folder). On a CPU-only machine, use a tiny model of the\n"
         f"  same architecture instead: model=tiny_dsv2, model=tiny_qwen or model=tiny_phi."
     )
+
+
+def ensure_trained(name: str, root: Path | None = None, progress: bool = True) -> Path:
+    """The trained tiny model, verified; trained on first use (a fixed number of steps, with a
+    progress bar). Refused when it missed its quality gates or its files no longer match their
+    recorded sha256."""
+    import sys
+
+    from specter.models import tiny_train
+
+    path = tiny.tiny_dir(name, trained=True, root=root)
+    rebuild = f"python -m initialization.train_tiny {name} (about {tiny_train.estimated_minutes(name):.0f} CPU minutes)"
+    with tiny.build_lock(path):
+        if not _has_weights(path):
+            print(f"specter: training {name} once for {tiny_train.DEFAULT_STEPS[name]} steps (about "
+                  f"{tiny_train.estimated_minutes(name):.0f} CPU minutes; later runs reuse it from {path})",
+                  file=sys.stderr, flush=True)
+            try:
+                return tiny_train.train(name, root=root, progress=progress)
+            except tiny_train.TrainingRejected as err:
+                raise ModelUnavailable(str(err)) from None
+        problem = tiny_train.trained_problem(path)
+    if problem:
+        raise ModelUnavailable(f"the trained {name} in {path} cannot be used: {problem}. Rebuild it: {rebuild}")
+    return path
 
 
 def checkpoint_digest(checkpoint: Path) -> str:

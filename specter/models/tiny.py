@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,26 +207,99 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
 
 
 # ------------------------------------------------------------------------------------- build
-def ensure_tiny(name: str, root: Path | None = None, force: bool = False) -> Path:
-    """Build `name` into the cache once (weights + tokenizer) and return its folder."""
-    out = tiny_dir(name, root=root)
-    marker = out / "specter_tiny.json"
-    if marker.exists() and not force:
-        return out
-    tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model = build_random_model(name)
-    digest = weights_digest(model.state_dict())
-    model.save_pretrained(tmp, safe_serialization=True)
-    train_tokenizer().save_pretrained(tmp)
-    (tmp / "specter_tiny.json").write_text(
-        json.dumps({"name": name, "real": _spec(name).real, "weights_sha256": digest}, indent=1)
-    )
+def file_sha256s(folder: Path) -> dict[str, str]:
+    """sha256 of every weight file (`*.safetensors`) in `folder`, by file name."""
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        h = hashlib.sha256()
+        with f.open("rb") as fp:
+            for chunk in iter(lambda: fp.read(1 << 22), b""):
+                h.update(chunk)
+        out[f.name] = h.hexdigest()
+    return out
+
+
+def build_lock(out: Path):
+    """An inter-process lock beside `out`, so concurrent first uses build a model once."""
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(out.with_name(out.name + ".lock")))
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move a finished build into place; the old folder, if any, is removed after the swap."""
+    import shutil
+
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
     if out.exists():
+        out.rename(old)
+    tmp.rename(out)  # a half-built folder is never mistaken for a finished one
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def tiny_problem(out: Path, name: str) -> str | None:
+    """Why the built random tiny model in `out` must not be used, or None when it is intact.
+
+    Its marker records each weight file's sha256; a marker without them (an older build) is
+    checked once by loading the weights against the pinned digest, then completed.
+    """
+    try:
+        marker = json.loads((out / "specter_tiny.json").read_text())
+        files = marker.get("files")
+    except (OSError, ValueError, AttributeError):
+        return "its specter_tiny.json is missing or unreadable"
+    if files is None:
+        try:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+            digest = weights_digest(model.state_dict())
+        except Exception as err:  # noqa: BLE001 - any load failure means "not intact"
+            return f"its weights cannot be loaded ({type(err).__name__})"
+        if digest != marker.get("weights_sha256") or digest != TINY_WEIGHT_SHA256.get(name, digest):
+            return "its weights differ from the pinned checksum"
+        from specter.paths import atomic_write_text
+
+        atomic_write_text(out / "specter_tiny.json", json.dumps({**marker, "files": file_sha256s(out)}, indent=1))
+        return None
+    actual = file_sha256s(out)
+    if actual != files:
+        bad = sorted(set(actual) ^ set(files) | {f for f in actual if files.get(f) != actual[f]})
+        return f"{', '.join(bad)} does not match its recorded sha256 (changed or truncated)"
+    return None
+
+
+def ensure_tiny(name: str, root: Path | None = None, force: bool = False) -> Path:
+    """Build `name` into the cache once (weights + tokenizer), verify it, and return its folder.
+
+    A build whose weight files no longer match their recorded sha256 (truncated, overwritten) is
+    rebuilt: the same seed gives the same bytes.
+    """
+    import sys
+
+    out = tiny_dir(name, root=root)
+    with build_lock(out):
+        if (out / "specter_tiny.json").exists() and not force:
+            problem = tiny_problem(out, name)
+            if problem is None:
+                return out
+            print(f"specter: rebuilding the tiny model {name} in {out}: {problem}", file=sys.stderr, flush=True)
+        tmp = out.with_name(out.name + ".partial")
         import shutil
 
-        shutil.rmtree(out)
-    tmp.rename(out)  # atomic: a half-built folder is never mistaken for a finished one
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+        model = build_random_model(name)
+        digest = weights_digest(model.state_dict())
+        pinned = TINY_WEIGHT_SHA256.get(name)
+        model.save_pretrained(tmp, safe_serialization=True)
+        train_tokenizer().save_pretrained(tmp)
+        (tmp / "specter_tiny.json").write_text(json.dumps(
+            {"name": name, "real": _spec(name).real, "weights_sha256": digest, "pinned": digest == pinned,
+             "files": file_sha256s(tmp)}, indent=1))
+        replace_dir(tmp, out)
     return out
 
 

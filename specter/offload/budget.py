@@ -36,9 +36,10 @@ class Footprint:
 
 def check_budget(footprint: Footprint, budget_bytes: int, what: str) -> None:
     if footprint.total > budget_bytes:
+        larger = "" if "memory=high" in what else "a larger tier (memory=high), "  # high is the largest tier
         raise BudgetError(
             f"{what} needs {footprint.describe()} on the device, more than the memory tier's budget of "
-            f"{budget_bytes / MB:.2f} MB. Use a larger tier (memory=high), fewer resident experts "
+            f"{budget_bytes / MB:.2f} MB. Use {larger}fewer resident experts "
             f"(+memory.resident_experts=N), or a larger budget (memory.budget_mb=...)."
         )
 

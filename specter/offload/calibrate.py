@@ -114,5 +114,5 @@ def _checked(p: LinkParams) -> LinkParams:
         raise CalibrationError(f"emulated link latency {p.latency_s:.3g} s is outside [0, {MAX_LATENCY_S}] s")
     if p.expert_load_s is not None and p.expert_load_s > MAX_EXPERT_LOAD_S:
         raise CalibrationError(f"one expert load would take {p.expert_load_s:.3g} s (> {MAX_EXPERT_LOAD_S} s); "
-                               "check model.load_ratio / hardware.bandwidth_gbps, or recalibrate")
+                               "check model.load_ratio / hardware.bandwidth_gbps, or rerun with hardware.recalibrate=true")
     return p

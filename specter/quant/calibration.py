@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from specter.paths import atomic_write_text
 from specter.quant.int4 import Int4ExpertLayer, Int4Experts
 
 
@@ -40,10 +42,21 @@ def capture_expert_inputs(rt, token_batches: list[torch.Tensor]) -> dict[int, li
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def save_draft(path: Path, layers: dict[int, Int4ExpertLayer]) -> None:
+    """Write the archive and its `.sha256` so that a crash at any point leaves either nothing
+    usable (the archive is rebuilt next time) or a complete, verifiable pair.
+
+    Order: archive to a temp file (fsynced), checksum written atomically, archive renamed into
+    place last. A `.sha256` without its archive is harmless; an archive never exists without
+    the checksum that matches it.
+    """
     tensors, meta = {}, {}
     for layer, d in layers.items():
         for part in ("gate_up", "down"):
@@ -53,15 +66,24 @@ def save_draft(path: Path, layers: dict[int, Int4ExpertLayer]) -> None:
             meta[f"{layer}.{part}"] = {"group_size": p.group_size, "method": p.method,
                                        "rtn_fallback_experts": list(p.rtn_fallback_experts)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    save_file(tensors, tmp, metadata={"specter": json.dumps(meta)})
-    tmp.rename(path)
-    path.with_suffix(".sha256").write_text(_sha256(path) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        save_file(tensors, tmp, metadata={"specter": json.dumps(meta)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        atomic_write_text(path.with_suffix(".sha256"), _sha256(tmp) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_draft(path: Path) -> dict[int, Int4ExpertLayer]:
     sums = path.with_suffix(".sha256")
-    if not sums.exists() or sums.read_text().strip() != _sha256(path):
+    try:
+        expected = sums.read_text().strip()
+    except OSError:
+        expected = None
+    if expected != _sha256(path):
         raise CorruptDraft(f"draft archive {path} fails its checksum; delete it (and {sums.name}) to rebuild")
     try:
         from safetensors import safe_open
@@ -94,7 +116,7 @@ def gptq_draft(rt, batches: list[torch.Tensor], path: Path,
     from specter.quant.draft import layer_weights
     from specter.quant.gptq import gptq_quantize_experts
 
-    if path.exists():
+    if path.exists() and path.with_suffix(".sha256").exists():  # no checksum: an interrupted build, redo it
         return load_draft(path), {"draft_archive": str(path), "cached": True}
     inputs = capture_expert_inputs(rt, batches)
     layers = {}

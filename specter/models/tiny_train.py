@@ -1,0 +1,200 @@
+"""Briefly train the tiny MoE checkpoints so benchmarks see non-degenerate tokens and routes.
+
+Random weights make greedy decoding repeat one token and hit the same experts every step, which
+would flatter every cache. A fixed number of next-token training steps on the Python standard
+library's sources (the tokenizer's corpus) gives varied text and routing.
+
+Training is a pure function of (spec, steps, seed, torch version, CPU kind): a fixed step count
+(never a wall-clock budget, which made the model depend on how busy the machine was), seeded
+batches, one thread and `torch.use_deterministic_algorithms`. The result is written beside the
+random checkpoint as `<name>-trained` with `specter_trained.json`: the steps, loss, greedy
+quality statistics, whether each quality gate passed, the state-dict digest and each weight
+file's sha256. A model that misses a gate is never installed (it is left in
+`<name>-trained.rejected` for inspection), and `load_verified_trained` refuses one whose files
+no longer match their recorded hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specter.models import tiny
+from specter.paths import atomic_write_text
+
+SEQ_LEN, BATCH, LR, WEIGHT_DECAY = 128, 8, 3e-3, 0.01
+CORPUS_BYTES = 3_000_000
+STEP_SECONDS = 0.25  # measured per step on one core of a 2-core CPU; used for the time estimate only
+
+# Steps per model, chosen so one model trains in about 3 CPU minutes on one core of a 2-core CPU.
+DEFAULT_STEPS: dict[str, int] = {"tiny_dsv2": 640, "tiny_qwen": 640, "tiny_phi": 900}
+
+EVAL_PROMPTS = ("def parse_args(argv):", "The module provides", "class Counter(dict):", "import os\nimport sys\n",
+                "    for line in lines:", "Return the number of")
+EVAL_NEW_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class QualityGates:
+    """What a trained tiny model must reach to be used: otherwise its greedy output is degenerate
+    (one token repeated, the same experts every step) and would flatter every expert cache."""
+
+    max_loss: float = 4.6  # mean training loss over the last 25 steps (random weights: ~6.9)
+    max_repeat_within_4: float = 0.6  # share of greedy tokens equal to one of the previous 4 (random: ~0.85)
+    min_distinct_2gram: float = 0.25  # distinct greedy 2-grams / all 2-grams (random: ~0.23)
+
+    def check(self, loss: float, greedy: dict[str, float]) -> dict[str, bool]:
+        return {
+            "loss": loss <= self.max_loss,
+            "repeat_within_4": greedy["repeat_within_4"] <= self.max_repeat_within_4,
+            "distinct_2gram": greedy["distinct_2gram_ratio"] >= self.min_distinct_2gram,
+        }
+
+
+GATES = QualityGates()
+
+
+class TrainingRejected(RuntimeError):
+    """The trained model missed a quality gate; the message names which."""
+
+
+def estimated_minutes(name: str) -> float:
+    """Rough CPU minutes to train `name` with its default steps (for messages only)."""
+    return DEFAULT_STEPS[name] * STEP_SECONDS / 60 + 0.5
+
+
+def token_stream(tokenizer, max_bytes: int = CORPUS_BYTES) -> torch.Tensor:
+    text = "\n".join(tiny.stdlib_corpus(max_bytes))
+    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)  # [N]
+
+
+@torch.no_grad()
+def greedy_stats(model, tokenizer, prompts=EVAL_PROMPTS, new_tokens: int = EVAL_NEW_TOKENS) -> dict[str, float]:
+    """How degenerate greedy output is: share of tokens equal to one of the previous 4, distinct 2-grams."""
+    repeats, total, distinct2, n2 = 0, 0, 0, 0
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False).input_ids[:16]])  # [1, P]
+        x = ids
+        for _ in range(new_tokens):  # plain argmax loop: no generation-config defaults involved
+            x = torch.cat([x, model(input_ids=x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        out = x[0, ids.shape[1]:].tolist()
+        repeats += sum(out[i] in out[max(0, i - 4):i] for i in range(1, len(out)))
+        total += len(out) - 1
+        grams = list(zip(out, out[1:]))
+        distinct2 += len(set(grams))
+        n2 += len(grams)
+    return {"repeat_within_4": repeats / total, "distinct_2gram_ratio": distinct2 / n2}
+
+
+def train(name: str, steps: int | None = None, root: Path | None = None, progress: bool = True,
+          log: Callable[[str], None] | None = None) -> Path:
+    """Train `name` for `steps` (default `DEFAULT_STEPS[name]`) and install it as `<name>-trained`.
+
+    Raises `TrainingRejected` (leaving the model in `<name>-trained.rejected`) when a gate is missed.
+    """
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    steps = DEFAULT_STEPS[name] if steps is None else int(steps)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    seed = tiny.TINY_SPECS[name].seed
+    src = tiny.ensure_tiny(name, root=root)
+    out = tiny.tiny_dir(name, trained=True, root=root)
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)  # a fixed reduction order: the same bytes on any core count
+    torch.use_deterministic_algorithms(True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, experts_implementation="grouped_mm")
+        model.config.output_router_logits = True  # load-balancing loss keeps experts in use
+        data = token_stream(tokenizer)
+        before = greedy_stats(model.eval(), tokenizer)
+        torch.manual_seed(seed)  # router jitter (PhiMoE) draws from the global generator
+        g = torch.Generator().manual_seed(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        model.train()
+        losses: list[float] = []
+        bar = tqdm(range(steps), desc=f"training {name}", unit="step", disable=not progress, file=sys.stderr)
+        for step in bar:
+            starts = torch.randint(0, len(data) - SEQ_LEN - 1, (BATCH,), generator=g)  # [B]
+            x = torch.stack([data[s:s + SEQ_LEN] for s in starts])  # [B, S]
+            for group in opt.param_groups:  # cosine decay over the fixed step count
+                group["lr"] = LR * 0.5 * (1 + math.cos(math.pi * step / steps))
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.detach().item())
+            if step % 25 == 0:
+                bar.set_postfix(loss=f"{sum(losses[-25:]) / len(losses[-25:]):.3f}")
+        bar.close()
+        model.config.output_router_logits = False
+        model.eval()
+        after = greedy_stats(model, tokenizer)
+        loss_last = sum(losses[-25:]) / len(losses[-25:])
+        gates = GATES.check(loss_last, after)
+        digest = tiny.weights_digest(model.state_dict())
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+    pinned = tiny.TINY_WEIGHT_SHA256.get(f"{name}-trained") if steps == DEFAULT_STEPS[name] else None
+    report = {
+        "name": name, "steps": steps, "seed": seed, "seq_len": SEQ_LEN, "batch": BATCH, "lr": LR,
+        "torch": torch.__version__,
+        "loss_first_25": sum(losses[:25]) / len(losses[:25]), "loss_last_25": loss_last,
+        "greedy_before": before, "greedy_after": after,
+        "gates": {"thresholds": GATES.__dict__, "passed": gates},
+        "weights_sha256": digest, "pinned_sha256": pinned, "files": tiny.file_sha256s(tmp),
+    }
+    atomic_write_text(tmp / "specter_trained.json", json.dumps(report, indent=1))
+    if pinned and pinned != digest:
+        log(f"note: trained {name} differs from the pinned weights (sha256 {digest[:12]} vs {pinned[:12]}); "
+            f"expected only with a different torch version or CPU kind")
+    if not all(gates.values()):
+        rejected = out.with_name(out.name + ".rejected")
+        shutil.rmtree(rejected, ignore_errors=True)
+        tmp.rename(rejected)
+        missed = ", ".join(k for k, ok in gates.items() if not ok)
+        raise TrainingRejected(
+            f"trained {name} missed its quality gates ({missed}: loss {loss_last:.2f}, "
+            f"repeat-within-4 {after['repeat_within_4']:.2f}, distinct 2-grams {after['distinct_2gram_ratio']:.2f}); "
+            f"left in {rejected}, not installed"
+        )
+    tiny.replace_dir(tmp, out)
+    return out
+
+
+def trained_problem(folder: Path) -> str | None:
+    """Why the installed trained model in `folder` must not be used, or None when it is sound:
+    its record is missing or unreadable, a quality gate failed, or a weight file changed."""
+    try:
+        report = json.loads((folder / "specter_trained.json").read_text())
+        files, passed = report["files"], report["gates"]["passed"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its specter_trained.json is missing, unreadable or from an older version"
+    failed = [k for k, ok in passed.items() if not ok]
+    if failed:
+        return f"it missed its quality gates ({', '.join(failed)})"
+    actual = tiny.file_sha256s(folder)
+    if set(actual) != set(files):
+        return f"its weight files {sorted(actual)} differ from the recorded {sorted(files)}"
+    for fname, sha in files.items():
+        if actual[fname] != sha:
+            return f"{fname} does not match its recorded sha256 (changed or truncated)"
+    return None
