@@ -82,7 +82,6 @@ fi
 is_tiny() { [[ "$1" == tiny_* ]]; }
 trained_opt() { if is_tiny "$1"; then echo "model.trained=$TRAINED"; fi; }
 method_hw() { if [[ "$1" == target_only && "$HARDWARE" == emulated ]]; then echo cpu; else echo "$HARDWARE"; fi; }
-has_key() { grep -qE "^$1:" conf/config.yaml; }
 if [[ -z "${BATCH_MODELS:-}" ]]; then
   BATCH_MODELS=""; for m in $MODELS; do [[ "$m" =~ dsv2|qwen ]] && BATCH_MODELS+="$m "; done
 fi
@@ -120,7 +119,6 @@ fi
 assets_args=(); [[ -n "${ASSETS:-}" ]] && assets_args=(--assets "$ASSETS")
 add "datasets" "$PY" -m initialization.prepare_datasets --datasets "$DATASET" "${assets_args[@]}"
 
-routes_opt=(); has_key log_routes && routes_opt=(log_routes=true)
 if [[ -z "$LAUNCHER" ]]; then
   for m in $MODELS; do
     for tier in $SWEEP_TIERS; do
@@ -131,7 +129,7 @@ if [[ -z "$LAUNCHER" ]]; then
   for m in $MODELS; do
     for tier in $TIERS; do
       for method in $METHODS; do
-        extra=(); [[ "$method" == specter ]] && extra=(k_profile="$(k_profile "$m" "$tier")" "${routes_opt[@]}")
+        extra=(); [[ "$method" == specter ]] && extra=(k_profile="$(k_profile "$m" "$tier")")
         add "main-$m-$tier-$method" "$PY" run.py experiment=main model="$m" memory="$tier" method="$method" \
           hardware="$(method_hw "$method")" dataset="$DATASET" $(trained_opt "$m") "${PROTOCOL[@]}" "${extra[@]}" \
           output_dir="$RESULTS/main/$m-$method-$tier"
@@ -154,7 +152,7 @@ else
       'output_dir='"$RESULTS"'/k_sweep/${model.name}-${memory.name}-${hardware.name}'
     [[ " $METHODS " == *" specter "* ]] && add "main-$group-specter" "$PY" run.py -m "$launcher" experiment=main \
       model="$models" memory="$tiers_csv" method=specter hardware="$HARDWARE" dataset="$DATASET" "${topt[@]}" \
-      "${PROTOCOL[@]}" "${routes_opt[@]}" \
+      "${PROTOCOL[@]}" \
       'k_profile='"$RESULTS"'/k_sweep/${model.name}-'"$profile_tier"'-${hardware.name}/k_profile.json' \
       'output_dir='"$RESULTS"'/main/${model.name}-${method.name}-${memory.name}'
     [[ " $METHODS " == *" target_only "* ]] && add "main-$group-target_only" "$PY" run.py -m "$launcher" \
@@ -180,14 +178,15 @@ if [[ -f conf/experiment/batch.yaml ]]; then
 else
   note "batch: conf/experiment/batch.yaml not found; Figs. 15/16 and Table 3 will be skipped"
 fi
-if has_key trace && [[ " $METHODS " == *" specter "* ]]; then
+if grep -q "trace_windows" specter/harness/schema.py 2>/dev/null && [[ " $METHODS " == *" specter "* ]] \
+   && [[ "$HARDWARE" != cuda ]]; then  # traces are host-timed: cpu and emulated links
   for m in $MODELS; do
     add "trace-$m" "$PY" run.py model="$m" memory=low method=specter hardware="$HARDWARE" dataset=humaneval \
-      num_prompts=1 repeats=1 $(trained_opt "$m") k_profile="$(k_profile "$m" low)" trace=true \
+      num_prompts=1 repeats=1 $(trained_opt "$m") k_profile="$(k_profile "$m" low)" method.trace_windows=true \
       output_dir="$RESULTS/trace/$m-specter-low"
   done
 else
-  note "trace: no 'trace' key in conf/config.yaml; the planner timeline (Figs. 8/9) will be skipped"
+  note "trace: no method.trace_windows (or HARDWARE=cuda); the planner timeline (Figs. 8/9) will be skipped"
 fi
 
 untrained=(); [[ "$TRAINED" != true ]] && untrained=(--untrained)

@@ -101,6 +101,17 @@ def make_results(root: Path, with_trace: bool = True) -> Path:
                   (1, "draft_step", -1, -1, 10, 12, 0, ""), (1, "compute", 1, 5, 12, 13, 0, "verify")]
         pd.DataFrame(events, columns=["window", "event", "layer", "expert", "start_ms", "end_ms", "bytes", "phase"]).to_csv(
             trace / "trace.csv", index=False)
+        # the engine's own format: draft/wait events, copies labelled only by their queueing delay
+        engine = _run(root / "trace" / "tiny_dsv2-specter-high", "specter", records=False)
+        events = [("humaneval", 0, 0, 0, "draft", None, None, 0, 2, 0, ""),
+                  ("humaneval", 0, 0, 0, "boundary", None, None, 1, 1, 0, ""),
+                  ("humaneval", 0, 0, 0, "copy", 1, 3, 1, 3, 50, "queued 0.100 ms"),
+                  ("humaneval", 0, 0, 0, "copy", 1, 4, 2.5, 4, 50, "queued 0.200 ms"),
+                  ("humaneval", 0, 0, 0, "moe", 1, None, 2, 5, 0, ""),
+                  ("humaneval", 0, 0, 0, "wait", 1, 4, 2, 4, 0, ""),
+                  ("humaneval", 0, 0, 0, "compute", 1, 4, 4, 5, 0, "")]
+        pd.DataFrame(events, columns=["dataset", "prompt_index", "repeat", "window", "event", "layer", "expert",
+                                      "start_ms", "end_ms", "bytes", "phase"]).to_csv(engine / "trace.csv", index=False)
     return root
 
 
@@ -201,7 +212,13 @@ def test_batch_tables(built):
 
 
 def test_timeline_table(built):
-    t = table(built[0], "fig09_planner_timeline").iloc[0]
+    tables = table(built[0], "fig09_planner_timeline").set_index("memory")
+    e = tables.loc["high"]  # the engine's format
+    assert e.draft_ms == 2 and e.wait_ms == 2 and e.compute_ms == 1 and e.window_ms == 5
+    assert e.copies_while_drafting == 1 and e.copies_during_verification == 1  # phases derived from timing
+    assert e.overlap_fraction == pytest.approx(1 / 3.5)  # [1,3] overlaps drafting [0,2] for 1 of 2 + 1.5 copy ms
+    assert e.shown_window == "humaneval/0/0/0"
+    t = tables.loc["low"]
     assert t.windows == 2 and str(t.shown_window) == "0"
     assert t.window_ms == pytest.approx(4.5) and t.draft_ms == pytest.approx(3.0) and t.bytes == pytest.approx(100)
     assert t.overlap_fraction == pytest.approx(0.75)  # copies [1,3] and [3,5] against drafting [0,4]

@@ -1,8 +1,11 @@
 """Figs. 8/9 style: the planner's timeline of one speculative window (draft, H2D copies, verification).
 
-Input: `trace.csv` in run folders, one row per event: window, event (draft_step | copy | compute |
-boundary), layer, expert, start_ms, end_ms, bytes, phase (the copy's planner phase, e.g. cold_start,
-overlap, cleanup, demand). Columns dataset/prompt_index/repeat, when present, tell records apart.
+Input: `trace.csv` in run folders, one row per event: window, event, layer, expert, start_ms,
+end_ms, bytes, phase. Events: draft (or draft_step), boundary, copy, compute, wait (verification
+waiting for a copy); moe/verify spans are containers and not drawn. A copy's phase, when it is a
+label (cold_start, overlap, cleanup, ...), colours it; otherwise (e.g. "queued 0.3 ms") copies are
+split into "while drafting" (started before the window's last draft step ended) and "during
+verification". Columns dataset/prompt_index/repeat, when present, tell records apart.
 
 Figure  per trace (one row each, at most MAX_TRACES): the representative window — among windows
         with copies, the one with the median copied bytes — as three lanes: draft steps, copies
@@ -24,8 +27,9 @@ from specter.figures.data import ResultSet
 NAME = "fig09_planner_timeline"
 COLUMNS = {"window", "event", "start_ms", "end_ms"}
 RECORD = ["dataset", "prompt_index", "repeat"]
+DRAFT = ("draft", "draft_step")
 MAX_TRACES = 6
-PHASE_COLORS = ("#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#F0E442", "#7F7F7F")
+PHASE_COLORS = ("#E69F00", "#009E73", "#CC79A7", "#F0E442", "#56B4E9", "#7F7F7F")
 
 
 def load_traces(results: ResultSet) -> list[tuple[dict, pd.DataFrame]]:
@@ -40,8 +44,23 @@ def load_traces(results: ResultSet) -> list[tuple[dict, pd.DataFrame]]:
         df["phase"] = df["phase"].fillna("").astype(str)
         keys = [c for c in RECORD if c in df.columns] + ["window"]
         df["_w"] = df[keys].astype(str).agg("/".join, axis=1)
+        df["event"] = df["event"].replace({"draft_step": "draft"})
+        df["copy_kind"] = copy_kinds(df)
         traces.append((results.run_info(path.parent), df))
     return traces
+
+
+def copy_kinds(df: pd.DataFrame) -> pd.Series:
+    """The copy's planner phase when the trace labels it, else when it started relative to drafting."""
+    copies = df["event"] == "copy"
+    labels = df.loc[copies, "phase"]
+    if len(labels) and not labels.str.contains(r"\d").any():
+        return df["phase"].where(copies, "")
+    draft_end = df[df["event"] == "draft"].groupby("_w")["end_ms"].max()
+    ends = df["_w"].map(draft_end)
+    kind = pd.Series("during verification", index=df.index)
+    kind[df["start_ms"] < ends] = "while drafting"
+    return kind.where(copies, "")
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -60,17 +79,18 @@ def window_stats(df: pd.DataFrame) -> pd.DataFrame:
     for w, g in df.groupby("_w", sort=False):
         dur = g["end_ms"] - g["start_ms"]
         copies = g[g["event"] == "copy"]
-        drafts = g[g["event"] == "draft_step"]
+        drafts = g[g["event"] == "draft"]
         copy_ms = float(dur[g["event"] == "copy"].sum())
         overlap = _overlap(list(zip(copies["start_ms"], copies["end_ms"])), list(zip(drafts["start_ms"], drafts["end_ms"])))
         row = {"window": w, "window_ms": float(g["end_ms"].max() - g["start_ms"].min()),
-               "draft_ms": float(dur[g["event"] == "draft_step"].sum()), "copy_ms": copy_ms,
+               "draft_ms": float(dur[g["event"] == "draft"].sum()), "copy_ms": copy_ms,
                "compute_ms": float(dur[g["event"] == "compute"].sum()),
+               "wait_ms": float(dur[g["event"] == "wait"].sum()),
                "bytes": float(pd.to_numeric(copies["bytes"], errors="coerce").fillna(0).sum()),
                "copies": len(copies), "boundaries": int((g["event"] == "boundary").sum()),
                "overlap_fraction": overlap / copy_ms if copy_ms > 0 else np.nan}
-        for phase, n in copies["phase"].value_counts().items():
-            row[f"copies_{phase or 'none'}"] = int(n)
+        for kind, n in copies["copy_kind"].value_counts().items():
+            row[f"copies_{(kind or 'unlabelled').replace(' ', '_')}"] = int(n)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -99,17 +119,17 @@ def build(results: ResultSet, out: Output) -> None:
               notes=["Times in ms, bytes per window; overlap_fraction = copy time concurrent with drafting / copy time; "
                      "copies_<phase>: copies per window in that planner phase."])
     shown = shown[:MAX_TRACES]
-    phases = sorted({p for _, w in shown for p in w.loc[w["event"] == "copy", "phase"]})
+    phases = sorted({p for _, w in shown for p in w.loc[w["event"] == "copy", "copy_kind"]})
     pcolor = {p: PHASE_COLORS[i % len(PHASE_COLORS)] for i, p in enumerate(phases)}
     fig, axes = subplots(len(shown), 1, w=8.5, h=2.0)
-    lanes = {"draft_step": 2, "copy": 1, "compute": 0}
+    lanes = {"draft": 2, "copy": 1, "compute": 0, "wait": 0}
     for ax, (info, w) in zip(axes[:, 0], shown):
         t0 = w["start_ms"].min()
         for event, y in lanes.items():
             ev = w[w["event"] == event]
             for i, r in enumerate(ev.itertuples(index=False)):
-                color = ("#0072B2" if i % 2 == 0 else "#56B4E9") if event == "draft_step" else (
-                    pcolor.get(r.phase, "#7F7F7F") if event == "copy" else "#555555")
+                color = {"draft": "#0072B2" if i % 2 == 0 else "#56B4E9", "compute": "#555555",
+                         "wait": "#D55E00", "copy": pcolor.get(r.copy_kind, "#7F7F7F")}[event]
                 ax.broken_barh([(r.start_ms - t0, max(r.end_ms - r.start_ms, 1e-3))], (y - 0.35, 0.7),
                                facecolors=color, edgecolors="white", linewidth=0.3)
         for i, b in enumerate(w.loc[w["event"] == "boundary", "start_ms"].sort_values()):
@@ -120,7 +140,9 @@ def build(results: ResultSet, out: Output) -> None:
         label = f"{model_label(str(info['model']))}, {info['memory']} memory, {info['method']} — window {w['_w'].iloc[0]}"
         style_axes(ax, label, xlabel="time in window (ms)")
         ax.grid(axis="x", alpha=0.3, linewidth=0.6)
-    handles = [Patch(color="#0072B2"), Patch(color="#555555")] + [Patch(color=pcolor[p]) for p in phases]
-    legend_above(fig, handles, ["draft step", "target compute"] + [f"copy: {p or 'unlabelled'}" for p in phases])
+    handles = [Patch(color="#0072B2"), Patch(color="#555555"), Patch(color="#D55E00")]
+    handles += [Patch(color=pcolor[p]) for p in phases]
+    legend_above(fig, handles, ["draft step", "target compute", "waiting for a copy"]
+                 + [f"copy: {p or 'unlabelled'}" for p in phases])
     fig.tight_layout()
     out.figure(fig, NAME)
