@@ -31,16 +31,13 @@ def resolve_hardware(cfg: DictConfig) -> DictConfig:
     import torch
     from omegaconf import OmegaConf, open_dict
 
-    pick = "cuda" if torch.cuda.is_available() else "cpu"
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from specter.harness.schema import HardwareConfig
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        profile = hydra_compose(config_name="config", overrides=[f"hardware={pick}"]).hardware
+    pick = "cuda" if torch.cuda.is_available() else "cpu"
     auto = hardware_defaults("auto")
-    user = {k: v for k, v in cfg.hardware.items() if v != auto.get(k)}
+    user = {k: v for k, v in cfg.hardware.items() if v != auto.get(k)}  # what the user set on top of auto
     with open_dict(cfg):
-        cfg.hardware = OmegaConf.merge(profile, user)
+        cfg.hardware = OmegaConf.merge(OmegaConf.structured(HardwareConfig), hardware_defaults(pick), user)
     return cfg
 
 

@@ -84,11 +84,20 @@ class SpecterMethodConfig(OffloadMethodConfig):
     prefetch: str = "adaptive"  # adaptive | none | early | late | oracle
     planner_state: str = "warm"  # warm | cold | carry
     planner: dict[str, float] = field(default_factory=dict)  # PlannerConfig overrides
+    trace_windows: bool = False  # write every window's pipeline events to trace.csv (host-timed links)
 
 
 @dataclass
 class KSweepConfig:
     values: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32])
+
+
+@dataclass
+class BatchConfig:
+    """experiment=batch: batch sizes; every size decodes the same prompts per dataset (`num_prompts`, at
+    least the largest size), B at a time."""
+
+    sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
 
 
 @dataclass
@@ -117,7 +126,7 @@ class RunConfig:
     allow_hub: bool = True
     output_dir: str = MISSING
     progress: bool = True
-    batch: dict[str, Any] = field(default_factory=dict)  # experiment=batch settings
+    batch: BatchConfig = field(default_factory=BatchConfig)  # experiment=batch settings
     compare: dict[str, Any] = field(default_factory=dict)  # experiment=compare settings
 
 
@@ -144,6 +153,12 @@ def register_schemas() -> None:
     global _registered
     from hydra.core.config_store import ConfigStore
 
+    import os
+
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("abspath"):  # hydra.sweep.subdir: each job's folder is its output_dir
+        OmegaConf.register_new_resolver("abspath", os.path.abspath)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     for group, node in (("model", ModelConfig), ("memory", MemoryConfig), ("dataset", DatasetConfig),
@@ -187,4 +202,40 @@ METHOD_SCHEMAS.update({
     "mixtral_offloading_sm": MixtralOffloadingSMMethodConfig,
     "specmoeoff": SpecMoEOffMethodConfig,
     "moe_spec": MoESpecMethodConfig,
+})
+
+
+# -- engine baselines (runners in baselines/: transformers, llama.cpp, vLLM) ------------------------
+@dataclass
+class EngineMethodConfig(MethodConfig):
+    reference_check: Optional[bool] = None  # greedy records vs target-only tokens (untimed); null = on for CPU runs
+
+
+@dataclass
+class TransformersMethodConfig(EngineMethodConfig):
+    experts_implementation: Optional[str] = None  # null = transformers' default | eager | batched_mm | grouped_mm
+
+
+@dataclass
+class LlamaCppMethodConfig(EngineMethodConfig):
+    gguf_type: Optional[str] = None  # f32 | f16; null = f32 for float32 runs, else f16
+    n_gpu_layers: Optional[int] = None  # null = CUDA: as many layers as the tier's budget holds; CPU: 0
+    n_threads: Optional[int] = None  # null = hardware.threads (else llama.cpp's default)
+    n_batch: int = 512
+
+
+@dataclass
+class VllmMethodConfig(EngineMethodConfig):
+    python: Optional[str] = None  # the vLLM env's interpreter; null = $SPECTER_VLLM_PYTHON, else $SPECTER_HOME/venvs/vllm
+    cpu_offload_gb: Optional[float] = None  # null = CUDA: weights over the tier's budget; CPU: 0
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = True  # no torch.compile / CUDA graphs (minutes of compilation on small machines)
+    startup_timeout_s: float = 900.0
+
+
+METHOD_SCHEMAS.update({
+    "engine": EngineMethodConfig,
+    "transformers": TransformersMethodConfig,
+    "llamacpp": LlamaCppMethodConfig,
+    "vllm": VllmMethodConfig,
 })
