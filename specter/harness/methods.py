@@ -25,6 +25,7 @@ from specter.predict.oracle import oracle_bytes
 from specter.predict.planner import PlannerConfig
 from specter.quant.draft import build_draft, draft_forward
 from specter.speculative.autoregressive import generate_autoregressive
+from specter.speculative.batched import BatchedAutoregressive, BatchedSpeculativeEngine, BatchRun
 from specter.speculative.engine import SpeculativeEngine
 from specter.speculative.sampling import SamplingParams
 
@@ -49,6 +50,12 @@ class Method:
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator) -> Generation:
         raise NotImplementedError
+
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int,
+                       generators: list[torch.Generator]) -> BatchRun:
+        """Decode the prompts together (experiment=batch); at temperature 0 each request's tokens equal
+        its own `generate` output. Per-request clocks and stats are on the returned requests."""
+        raise ConfigError(f"method {self.name!r} has no batched decoding")
 
     def reset(self) -> None:
         """Restore per-record state outside timing."""
@@ -98,6 +105,9 @@ class TargetOnly(Method):
         tokens = generate_autoregressive(self.model, prompt_ids, max_new_tokens, self.params, generator, clock)
         return Generation(tokens, clock)
 
+    def generate_batch(self, prompts, max_new_tokens, generators):
+        return BatchedAutoregressive(self.model, self.params).generate_batch(prompts, max_new_tokens, generators)
+
 
 class OffloadAR(Method):
     """Autoregressive decoding through the offloading runtime: on-demand loads, per-layer LRU.
@@ -129,6 +139,13 @@ class OffloadAR(Method):
         stats = {**io_stats(self.rt.cache, self.rt.link.busy_seconds - busy0), "oracle_h2d_bytes": oracle_bytes(self.rt, log)}
         self.route_log = log
         return Generation(tokens, clock, stats)
+
+    def generate_batch(self, prompts, max_new_tokens, generators):
+        """Batched autoregressive offloading: each step's expert-wise MoE loads an expert once for all B."""
+        decoder = BatchedAutoregressive(self.rt.model, self.params, moe=self.rt.moe, num_experts=self.rt.om.num_experts)
+        run = decoder.generate_batch(prompts, max_new_tokens, generators)
+        run.stats["oracle_h2d_bytes"] = oracle_bytes(self.rt, decoder.route_log)
+        return run
 
     def static_fields(self) -> dict[str, Any]:
         return {"schedule": self.rt.moe.schedule, "resident_experts": self.rt.resident}
@@ -177,9 +194,33 @@ class Specter(Method):
     def reset(self) -> None:
         self.rt.cache.reset()
         self.engine.reset()
+        if getattr(self, "batch_engine", None) is not None:
+            self.batch_engine.reset()
 
     def warmed(self) -> None:
         self.engine.mark_warm()
+        if getattr(self, "batch_engine", None) is not None:
+            self.batch_engine.mark_warm()
+
+    def make_batch_engine(self) -> BatchedSpeculativeEngine:
+        """The batched form of this method's engine, over the same runtime (a variant that changes the
+        iteration overrides this, or has no batched decoding)."""
+        if type(self.engine) is not SpeculativeEngine:
+            raise ConfigError(f"method {self.name!r} has no batched decoding "
+                              f"(its engine {type(self.engine).__name__} has no batched form)")
+        m = self.cfg.method
+        return BatchedSpeculativeEngine(self.rt, self.K, self.params, prefetch=m.prefetch,
+                                        planner_config=PlannerConfig(**(m.get("planner") or {})),
+                                        planner_state=m.planner_state, expert_filter=self.expert_filter())
+
+    def generate_batch(self, prompts, max_new_tokens, generators):
+        if getattr(self, "batch_engine", None) is None:
+            self.batch_engine = self.make_batch_engine()
+        run = self.batch_engine.generate_batch(prompts, max_new_tokens, generators)
+        if self.verify:
+            for prompt, req in zip(prompts, run.requests):
+                req.stats["lossless_check"] = self._check_lossless(prompt, req.tokens)
+        return run
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         clock = CommitClock()

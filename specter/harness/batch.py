@@ -1,0 +1,331 @@
+"""experiment=batch: the paper's batched evaluation (Figs. 15/16, Table 3).
+
+    python run.py experiment=batch model=tiny_dsv2 hardware=emulated memory=low
+    python run.py experiment=batch method=offload_ar batch.sizes=[4] num_prompts=8
+
+For every batch size B in `batch.sizes`, every dataset and repeat, the same prompts (the first
+`num_prompts`, at least max(batch.sizes); 16-token prefixes, 128 new tokens) are decoded B at a time, each group of B from a
+cache reset, with each request's own seed. Results, per B, go to a run folder of their own,
+``<output_dir>/B=<B>/`` (locked, resumable, like a K-sweep point):
+
+    records.csv  one row per request (the usual record schema, `batch_size` = B; expert I/O columns
+                 are empty there, because the I/O belongs to the whole batch)
+    batch.csv    one row per (dataset, repeat): tpot_median_ms, tpot_p90_ms, tpot_mean_ms (per-request
+                 TPOT over all requests), throughput_tok_s (generated tokens / batch wall time, first
+                 admission to last commit, summed over the groups), distinct_experts_per_layer (the
+                 verification working set per MoE layer per iteration, Fig. 16), h2d_bytes_per_token,
+                 acceptance (mean per-request α), and the I/O counters behind them
+
+and ``<output_dir>/batch_summary.csv`` lists every size, measured or refused. Memory budgets
+account for B: KV cache and scratch grow with B (`Footprint`), and a size whose footprint exceeds
+the tier's budget is refused with the largest B that would fit; the other sizes still run.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specter.harness.config import ConfigError, resident_experts, validate
+from specter.harness.datasets import expand_datasets, load_prompt_set
+from specter.harness.methods import Method, build_method
+from specter.harness.output import check_weights, run_folder, write_environment
+from specter.harness.records import RecordWriter, record_key, text_digest, token_digest
+from specter.harness.run import _tokenize, provenance_of, record_seed
+from specter.harness.runtime import device_and_dtype, model_checkpoint
+from specter.offload.budget import MB, Footprint
+from specter.speculative.batched import BatchRun
+from specter.speculative.sampling import make_generator
+
+BATCH_COLUMNS = (
+    # the columns the figure code reads (specter/figures/batching.py)
+    "method", "model", "memory", "batch_size", "dataset", "tpot_median_ms", "tpot_p90_ms", "throughput_tok_s",
+    "distinct_experts_per_layer", "h2d_bytes_per_token", "acceptance",
+    # more of the same measurement
+    "repeat", "hardware", "K", "resident_experts", "requests", "batches", "new_tokens", "wall_s", "tpot_mean_ms",
+    "ttft_median_ms", "accepted_fraction", "iterations", "h2d_bytes", "demand_hits", "demand_misses",
+    "copy_wait_ms", "oracle_h2d_bytes", "prefetch_recall", "kv_compactions", "footprint_mb", "budget_mb",
+)
+
+
+def batch_sizes(cfg: DictConfig) -> list[int]:
+    sizes = list(cfg.batch.sizes)
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+        raise ConfigError(f"batch.sizes must be integers >= 1, got {sizes}")
+    return sorted(set(sizes))
+
+
+def prompt_pool(cfg: DictConfig, sizes: list[int]) -> int:
+    """Prompts per dataset that every size decodes: num_prompts, raised to the largest B (a batch of B
+    needs B distinct prompts), with a note when raised."""
+    n = max(cfg.num_prompts, max(sizes))
+    if n > cfg.num_prompts:
+        print(f"specter: note: batch size {max(sizes)} needs {n} prompts per dataset; every size decodes "
+              f"{n} (num_prompts={cfg.num_prompts} raised)", flush=True)
+    return n
+
+
+# ---------------------------------------------------------------------------------- budget
+def batch_footprint(footprint: Footprint, B: int) -> Footprint:
+    """A B=1 runtime's footprint at batch size B: KV cache and scratch are per request."""
+    return replace(footprint, kv_cache=B * footprint.kv_cache, scratch=B * footprint.scratch)
+
+
+def largest_batch(footprint: Footprint, budget_bytes: int) -> int:
+    """The largest B whose footprint fits the budget (0: not even one request)."""
+    per_request = footprint.kv_cache + footprint.scratch
+    fixed = footprint.total - per_request
+    return max(0, (budget_bytes - fixed) // per_request) if per_request else 10**9
+
+
+def refusal(method: Method, B: int) -> str | None:
+    """Why batch size B does not fit the method's memory tier (None: it fits, or no budget applies)."""
+    rt = getattr(method, "rt", None)
+    if rt is None:
+        return None
+    fp = batch_footprint(rt.footprint, B)
+    if fp.total <= rt.budget_bytes:
+        return None
+    return (f"B={B} needs {fp.describe()} on the device, more than the budget of {rt.budget_bytes / MB:.2f} MB; "
+            f"the largest batch that fits is B={largest_batch(rt.footprint, rt.budget_bytes)}")
+
+
+# ---------------------------------------------------------------------------------- batch.csv
+class BatchTable:
+    """Appends rows to a batch.csv (one line each, fsynced); knows which (dataset, repeat) are done."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.done: set[tuple[str, str]] = set()
+        if self.path.exists() and self.path.stat().st_size:
+            with self.path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                if tuple(reader.fieldnames or ()) != BATCH_COLUMNS:
+                    raise ConfigError(f"{self.path} has columns {reader.fieldnames}, not this version's; "
+                                      "use a new output_dir")
+                self.done = {(r["dataset"], r["repeat"]) for r in reader}
+        else:
+            self._write(",".join(BATCH_COLUMNS) + "\n", "w")
+
+    def is_done(self, dataset: str, repeat: int) -> bool:
+        return (dataset, str(repeat)) in self.done
+
+    def append(self, row: dict[str, Any]) -> None:
+        unknown = set(row) - set(BATCH_COLUMNS)
+        if unknown:
+            raise KeyError(f"unknown batch columns: {sorted(unknown)}")
+        line = ",".join("" if row.get(c) is None else str(row[c]) for c in BATCH_COLUMNS) + "\n"
+        self._write(line, "a")
+        self.done.add((str(row["dataset"]), str(row["repeat"])))
+
+    def _write(self, text: str, mode: str) -> None:
+        with self.path.open(mode, newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------- metrics
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated q-quantile (numpy's default)."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def batch_row(runs: list[BatchRun]) -> dict[str, Any]:
+    """Batch-level metrics over the groups of one (B, dataset, repeat)."""
+    reqs = [r for run in runs for r in run.requests]
+    tpots = [t for r in reqs if (t := r.clock.latency()["tpot_ms"]) is not None]
+    ttfts = [t for r in reqs if (t := r.clock.latency()["ttft_ms"]) is not None]
+    tokens = sum(len(r.tokens) for r in reqs)
+    wall = sum(run.wall_seconds() for run in runs)
+    iters = [run.stats.get("iterations") or 0 for run in runs]
+    ws = [(run.stats.get("distinct_experts_per_layer"), n) for run, n in zip(runs, iters)]
+    ws = [(w, n) for w, n in ws if w is not None and n]
+    alphas = [a for r in reqs if (a := r.stats.get("acceptance_alpha")) is not None]
+    drafted = sum(r.stats.get("drafted_tokens") or 0 for r in reqs)
+    accepted = sum(r.stats.get("accepted_tokens") or 0 for r in reqs)
+
+    def total(key: str):
+        vals = [run.stats.get(key) for run in runs]
+        return sum(vals) if vals and all(v is not None for v in vals) else None
+
+    h2d = total("h2d_bytes")
+    recalls = [v for run in runs if (v := run.stats.get("prefetch_recall")) is not None]
+    return {
+        "requests": len(reqs), "batches": len(runs), "new_tokens": tokens, "wall_s": wall,
+        "tpot_median_ms": statistics.median(tpots) if tpots else None,
+        "tpot_p90_ms": percentile(tpots, 0.9),
+        "tpot_mean_ms": statistics.fmean(tpots) if tpots else None,
+        "ttft_median_ms": statistics.median(ttfts) if ttfts else None,
+        "throughput_tok_s": tokens / wall if wall > 0 else None,
+        "distinct_experts_per_layer": sum(w * n for w, n in ws) / sum(n for _, n in ws) if ws else None,
+        "h2d_bytes": h2d,
+        "h2d_bytes_per_token": h2d / tokens if h2d is not None and tokens else None,
+        "acceptance": statistics.fmean(alphas) if alphas else None,
+        "accepted_fraction": accepted / drafted if drafted else None,
+        "iterations": sum(iters),
+        "demand_hits": total("demand_hits"), "demand_misses": total("demand_misses"),
+        "copy_wait_ms": total("copy_wait_ms"), "oracle_h2d_bytes": total("oracle_h2d_bytes"),
+        "prefetch_recall": statistics.fmean(recalls) if recalls else None,
+        "kv_compactions": total("kv_compactions"),
+    }
+
+
+# ---------------------------------------------------------------------------------- protocol
+def size_config(cfg: DictConfig, B: int) -> DictConfig:
+    """The run-folder configuration of one batch size."""
+    return OmegaConf.merge(cfg, {"batch": {"sizes": [B]}, "output_dir": str(Path(cfg.output_dir) / f"B={B}")})
+
+
+def run_batch(cfg: DictConfig) -> Path:
+    validate(cfg)
+    resident_experts(cfg)
+    device_and_dtype(cfg)
+    sizes = batch_sizes(cfg)
+    datasets = expand_datasets(cfg.dataset.name)
+    pool = prompt_pool(cfg, sizes)
+    prompt_sets = {ds: load_prompt_set(ds, pool, cfg.assets_dir, allow_hub=cfg.allow_hub) for ds in datasets}
+    checkpoint = model_checkpoint(cfg)
+    prompt_ids = _tokenize(cfg, checkpoint, prompt_sets)
+    root = Path(cfg.output_dir)
+    todo = {B: [(ds, r) for ds in datasets for r in range(cfg.repeats)
+                if not _finished(root / f"B={B}" / "batch.csv", ds, r)] for B in sizes}
+    status: dict[int, str] = {B: "measured" for B in sizes}
+    if any(todo.values()):
+        status = _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo)
+    else:
+        print(f"{root}: every batch size is already measured; nothing to run.")
+    return _summarize(root, sizes, status)
+
+
+def _finished(path: Path, dataset: str, repeat: int) -> bool:
+    """Whether a size's batch.csv already holds (dataset, repeat); read only (no lock needed)."""
+    if not path.exists():
+        return False
+    with path.open(newline="") as f:
+        return any(r.get("dataset") == dataset and r.get("repeat") == str(repeat) for r in csv.DictReader(f))
+
+
+def _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo: dict[int, list[tuple[str, int]]]) -> dict[int, str]:
+    from specter.models.registry import checkpoint_digest
+
+    if cfg.hardware.get("threads"):
+        torch.set_num_threads(int(cfg.hardware.threads))
+    digest = checkpoint_digest(checkpoint)
+    method = build_method(cfg, checkpoint)
+    status: dict[int, str] = {}
+    try:
+        device = method.device
+        fits = []
+        for B in todo:
+            why = refusal(method, B)
+            status[B] = f"refused: {why}" if why else "measured"
+            if why:
+                print(f"specter: batch size refused: {why}", flush=True)
+            else:
+                fits.append(B)
+        if not fits:
+            return status
+        first_ds = next(ds for B in fits for ds, _ in todo[B])
+        if cfg.warmup_tokens > 0:  # outside timing, at the largest batch that runs
+            n = max(fits)
+            method.generate_batch([torch.tensor(p, device=device) for p in prompt_ids[first_ds][:n]], cfg.warmup_tokens,
+                                  [make_generator(device, 0) for _ in range(n)])
+            method.warmed()
+        static = {"hardware": cfg.hardware.name, **method.static_fields()}
+        base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
+        for B in fits:
+            if not todo[B]:
+                continue
+            sub = size_config(cfg, B)
+            with run_folder(sub, provenance_of(prompt_sets)) as out:
+                records = RecordWriter(out / "records.csv")
+                check_weights(out, digest, records.finished)
+                fp = batch_footprint(method.rt.footprint, B) if getattr(method, "rt", None) is not None else None
+                write_environment(out, {"method": method.environment(), "checkpoint": str(checkpoint),
+                                        "weights_sha256": digest, "batch_size": B,
+                                        "batch_footprint_bytes": fp.__dict__ if fp else None})
+                table = BatchTable(out / "batch.csv")
+                for ds, r in todo[B]:
+                    if table.is_done(ds, r):
+                        continue
+                    runs = _decode_unit(cfg, method, prompt_ids[ds], ds, r, B)
+                    for run in runs:
+                        for req in run.requests:
+                            row = _request_row(base, static, prompt_sets[ds].texts, ds, r, B, req, cfg.seed)
+                            if not records.is_done(record_key(row)):  # kept from an interrupted attempt
+                                records.append(row)
+                    table.append({**base, **{k: static.get(k) for k in ("hardware", "K", "resident_experts")},
+                                  "batch_size": B, "dataset": ds, "repeat": r, **batch_row(runs),
+                                  "footprint_mb": fp.total / MB if fp else None,
+                                  "budget_mb": method.rt.budget_bytes / MB if fp else None})
+    finally:
+        method.close()
+    return status
+
+
+def _decode_unit(cfg, method: Method, ids: list[list[int]], ds: str, repeat: int, B: int) -> list[BatchRun]:
+    """The num_prompts prompts of one dataset, B at a time, each group from a cache reset."""
+    device = method.device
+    runs = []
+    for start in range(0, len(ids), B):
+        idx = list(range(start, min(start + B, len(ids))))
+        prompts = [torch.tensor(ids[i], device=device) for i in idx]
+        gens = [make_generator(device, record_seed(cfg.seed, ds, i, repeat)) for i in idx]
+        method.reset()  # outside timing
+        run = method.generate_batch(prompts, cfg.max_new_tokens, gens)
+        for i, req in zip(idx, run.requests):
+            req.rid = i
+        runs.append(run)
+    return runs
+
+
+def _request_row(base, static, texts, ds, repeat, B, req, seed_base) -> dict[str, Any]:
+    tokens = req.tokens[: req.max_new_tokens]
+    return {
+        **base, "dataset": ds, "prompt_index": req.rid, "repeat": repeat, **static, "batch_size": B,
+        "prefix_tokens": req.prompt_len, "new_tokens": len(tokens), **req.clock.latency(), **req.stats,
+        "prompt_sha256": text_digest(texts[req.rid]), "output_digest": token_digest(tokens),
+        "seed": record_seed(seed_base, ds, req.rid, repeat),
+    }
+
+
+def _summarize(root: Path, sizes: list[int], status: dict[int, str]) -> Path:
+    """batch_summary.csv: every size's batch.csv rows (averaged over repeats), plus refused sizes."""
+    import pandas as pd
+
+    frames = []
+    for B in sizes:
+        path = root / f"B={B}" / "batch.csv"
+        if path.exists() and path.stat().st_size:
+            df = pd.read_csv(path)
+            if not df.empty:
+                frames.append(df.assign(status="measured"))
+        elif status.get(B, "").startswith("refused"):
+            frames.append(pd.DataFrame([{"batch_size": B, "status": status[B]}]))
+    root.mkdir(parents=True, exist_ok=True)
+    if not frames:
+        print(f"{root}: no batch size could run")
+        return root
+    table = pd.concat(frames, ignore_index=True)
+    table.to_csv(root / "batch_summary.csv", index=False)
+    shown = [c for c in ("method", "model", "memory", "dataset", "batch_size", "tpot_median_ms", "tpot_p90_ms",
+                         "throughput_tok_s", "distinct_experts_per_layer", "h2d_bytes_per_token", "acceptance", "status")
+             if c in table.columns]
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 60):
+        print(table[shown].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"\nwrote {root / 'batch_summary.csv'} (per size: {root}/B=<B>/batch.csv and records.csv)")
+    return root
