@@ -21,16 +21,18 @@ P = S + min(E, S)·(BLOCK_M − 1) using shapes alone, so every buffer is sized 
 a device value; idle blocks (block_expert = −1) return at once.
 
 Numerics follow `draft_moe_reference`: each weight is (code − 8)·scale in the activation dtype,
-products accumulate in fp32, gate/up and the activation are rounded to the activation dtype
-where the reference rounds them. fp32 activations use IEEE fp32 dots (not TF32).
+products accumulate in fp32, and gate, up, silu, act·up, y and y·w are rounded to the
+activation dtype where the reference rounds them; only the k expert outputs are summed in fp32
+and rounded once (the reference adds them one by one). fp32 uses IEEE dots, not TF32.
 
-On a CPU the kernels run only in Triton's interpreter (`TRITON_INTERPRET=1`, set before this
-module is imported). The interpreter's bf16 dot is wrong, so there bf16 operands are upcast to
-fp32 inside the kernel (`COMPUTE`); on a GPU bf16 goes to the tensor cores as bf16.
+On a CPU the kernels run only in Triton's interpreter (`TRITON_INTERPRET=1` when this module
+is imported). There the dot operands, already rounded to the activation dtype, are held in fp32
+(`COMPUTE`: the same products and fp32 sums, and numpy has no fast fp16 matmul), and bf16
+rounding is done by hand (`RNE_BF16`: the interpreter's bf16 arithmetic is wrong and its
+fp32 → bf16 cast truncates). On a GPU the dots run in fp16 / bf16 on the tensor cores.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,8 +49,8 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import time)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """True when this module's kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return _INTERPRETED
 
 
 def is_silu(act_fn: ActFn) -> bool:
@@ -104,7 +106,7 @@ def align_routes(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Alig
     dest = torch.where(skey < num_experts, pad_start[skey.clamp(max=num_experts - 1)] + rank,
                        torch.full_like(skey, p))  # [S]; invalid routes go to the dump row P
     sorted_ids = torch.full((p + 1,), s, dtype=torch.int32, device=dev)
-    sorted_ids[dest] = order.to(torch.int32)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))  # [P+1]; row P collects the dropped routes
     block_start = torch.arange(0, p, block_m, device=dev)  # [P/BM]
     block_expert = torch.searchsorted(pad_end, block_start, right=True)  # [P/BM] in [0, E]
     block_expert = torch.where(block_expert < num_experts, block_expert, torch.full_like(block_expert, -1))
@@ -112,27 +114,22 @@ def align_routes(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Alig
 
 
 # ----------------------------------------------------------------------------- kernels
+#
+# Both kernels walk K in tiles of BLOCK_K: activations [BM, BK] (fp16/bf16/fp32) and, per weight
+# row block, int32 words [BK, BN] (word k // 8 of each row, nibble k % 8), unpacked and scaled to
+# the compute dtype in registers: w = (code − 8)·scale, exactly `dequantize`'s value. Either
+# BLOCK_K divides the group size (one scale per row per tile) or the group size divides BLOCK_K
+# (a scale per element). Helpers are inlined by hand: Triton's interpreter re-patches the
+# language on every nested jit call, which would dominate its run time.
 
 
 @triton.jit
-def _int4_dot(acc, a_ptrs, a_mask, stride_ak, w_ptrs, stride_wk, s_ptrs, stride_sg, n_mask, K,
-              GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    """acc [BM, BN] += A [BM, K] @ W^T [K, BN], W read as INT4 codes and group scales, unpacked here.
-
-    a_ptrs [BM, 1] point at column 0 of the rows, w_ptrs [1, BN] at word 0 of the weight rows,
-    s_ptrs [BN] at group 0 of the scales. BLOCK_K divides GROUP_SIZE, so one scale per K-tile.
-    """
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k  # [BK]
-        a = tl.load(a_ptrs + kk[None, :] * stride_ak, mask=a_mask, other=0.0)  # [BM, BK]
-        words = tl.load(w_ptrs + (kk // 8)[:, None] * stride_wk, mask=n_mask[None, :], other=0)  # [BK, BN] int32
-        codes = (words >> ((kk % 8) * 4)[:, None]) & 0xF  # [BK, BN] in [0, 15]
-        scale = tl.load(s_ptrs + (k0 // GROUP_SIZE) * stride_sg, mask=n_mask, other=0.0)  # [BN]
-        w = (codes - 8).to(COMPUTE) * scale.to(COMPUTE)[None, :]  # [BK, BN]: (code - 8)·scale, as dequantize()
-        acc = tl.dot(a.to(COMPUTE), w, acc, input_precision=DOT_PRECISION)
-    return acc
+def _rne_bf16(x):
+    """fp32 x rounded to bf16 (nearest even) and kept in fp32. Interpreter only: its own fp32 -> bf16
+    cast truncates and its bf16 arithmetic is wrong; casting the result to bf16 later is exact."""
+    bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF  # the fp32 bits, unsigned, in int64
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.uint32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -142,42 +139,71 @@ def _gate_up_kernel(x_ptr, qw_ptr, sc_ptr, out_ptr, sorted_ids_ptr, block_expert
                     stride_om, stride_on,
                     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, FUSE_SILU: tl.constexpr, COMPUTE: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """One [BM rows × BN intermediate columns] tile of gate and up for one expert block."""
+                    RNE_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (m, n): rows of block m (one expert) × intermediate columns n..n+BN of gate and of up."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # idle block past the last expert's padding
         return
     x_dtype = x_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] padded row
-    route = tl.load(sorted_ids_ptr + offs_m)  # [BM]
+    route = tl.load(sorted_ids_ptr + offs_m)  # [BM] t*k + j, or num_routes for padding
     row_ok = route < num_routes
-    token = tl.where(row_ok, route // top_k, 0)  # [BM]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate column
+    token = tl.where(row_ok, route // top_k, 0).to(tl.int64)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate column (gate row n, up row I + n)
     n_ok = offs_n < I
-    a_ptrs = x_ptr + token[:, None] * stride_xt  # [BM, 1]
-    a_mask = row_ok[:, None]
-    qw = qw_ptr + expert.to(tl.int64) * stride_qe
-    sc = sc_ptr + expert.to(tl.int64) * stride_se
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xk  # [BM, BK]
+    g_ptrs = qw_ptr + expert * stride_qe + offs_n[None, :] * stride_qn + (offs_k // 8)[:, None] * stride_qk  # [BK, BN]
+    u_ptrs = g_ptrs + I * stride_qn
+    gs_ptrs = sc_ptr + expert * stride_se + offs_n * stride_sn  # [BN] group 0 of the gate rows
+    us_ptrs = gs_ptrs + I * stride_sn
+    shifts = ((offs_k % 8) * 4)[:, None]  # [BK, 1]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_g = _int4_dot(acc_g, a_ptrs, a_mask, stride_xk, qw + offs_n[None, :] * stride_qn, stride_qk,
-                      sc + offs_n * stride_sn, stride_sg, n_ok, K, GROUP_SIZE, BLOCK_K, COMPUTE,
-                      DOT_PRECISION)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = _int4_dot(acc_u, a_ptrs, a_mask, stride_xk, qw + (I + offs_n)[None, :] * stride_qn, stride_qk,
-                      sc + (I + offs_n) * stride_sn, stride_sg, n_ok, K, GROUP_SIZE, BLOCK_K, COMPUTE,
-                      DOT_PRECISION)
-    # round where the reference's F.linear rounds (to the activation dtype), then act in fp32
-    gate = acc_g.to(x_dtype).to(tl.float32)
-    up = acc_u.to(x_dtype).to(tl.float32)
-    o_rows = out_ptr + offs_m[:, None].to(tl.int64) * stride_om
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0  # [BK]
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(COMPUTE)  # [BM, BK]
+        w_mask = k_ok[:, None] & n_ok[None, :]  # [BK, BN]
+        g_codes = (tl.load(g_ptrs, mask=w_mask, other=0) >> shifts) & 0xF  # [BK, BN] in [0, 15]
+        u_codes = (tl.load(u_ptrs, mask=w_mask, other=0) >> shifts) & 0xF
+        if BLOCK_K <= GROUP_SIZE:  # one group per tile: [1, BN] scales
+            g_scale = tl.load(gs_ptrs + (k0 // GROUP_SIZE) * stride_sg, mask=n_ok, other=0.0)[None, :]
+            u_scale = tl.load(us_ptrs + (k0 // GROUP_SIZE) * stride_sg, mask=n_ok, other=0.0)[None, :]
+        else:  # several groups per tile: [BK, BN] scales
+            g_off = ((k0 + offs_k) // GROUP_SIZE)[:, None] * stride_sg
+            g_scale = tl.load(gs_ptrs[None, :] + g_off, mask=w_mask, other=0.0)
+            u_scale = tl.load(us_ptrs[None, :] + g_off, mask=w_mask, other=0.0)
+        if RNE_BF16:  # bf16 under the interpreter: bf16-rounded scale and weight, held in fp32
+            w_g = _rne_bf16((g_codes - 8).to(tl.float32) * _rne_bf16(g_scale.to(tl.float32)))
+            w_u = _rne_bf16((u_codes - 8).to(tl.float32) * _rne_bf16(u_scale.to(tl.float32)))
+        else:  # exactly dequantize()'s value in x's dtype, then COMPUTE (fp32 in the interpreter)
+            w_g = ((g_codes - 8).to(x_dtype) * g_scale.to(x_dtype)).to(COMPUTE)  # [BK, BN]
+            w_u = ((u_codes - 8).to(x_dtype) * u_scale.to(x_dtype)).to(COMPUTE)
+        acc_g = tl.dot(a, w_g, acc_g, input_precision=DOT_PRECISION)  # [BM, BN] fp32
+        acc_u = tl.dot(a, w_u, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += (BLOCK_K // 8) * stride_qk
+        u_ptrs += (BLOCK_K // 8) * stride_qk
+    # epilogue in fp32, rounded to x's dtype wherever the reference rounds
+    if RNE_BF16:
+        gate = _rne_bf16(acc_g)
+        up = _rne_bf16(acc_u)
+    else:
+        gate = acc_g.to(x_dtype).to(tl.float32)  # F.linear's output
+        up = acc_u.to(x_dtype).to(tl.float32)
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on  # [BM, BN]
     if FUSE_SILU:
-        act = (gate / (1.0 + tl.exp(-gate))).to(x_dtype).to(tl.float32)  # silu, rounded as F.silu's output
-        tl.store(o_rows + offs_n[None, :] * stride_on, (act * up).to(x_dtype), mask=n_ok[None, :])
-    else:  # h = [gate | up], the activation runs in torch
-        tl.store(o_rows + offs_n[None, :] * stride_on, gate.to(x_dtype), mask=n_ok[None, :])
-        tl.store(o_rows + (I + offs_n)[None, :] * stride_on, up.to(x_dtype), mask=n_ok[None, :])
+        act = gate / (1.0 + tl.exp(-gate))  # silu
+        if RNE_BF16:
+            h = _rne_bf16(_rne_bf16(act) * up)
+        else:
+            h = act.to(x_dtype).to(tl.float32) * up  # F.silu's output, then act·up
+        tl.store(o_ptrs, h.to(x_dtype), mask=n_ok[None, :])  # padding rows store 0 (their loads were 0)
+    else:  # h = [gate | up]; the activation runs in torch
+        tl.store(o_ptrs, gate.to(x_dtype), mask=n_ok[None, :])
+        tl.store(o_ptrs + I * stride_on, up.to(x_dtype), mask=n_ok[None, :])
 
 
 @triton.jit
@@ -186,12 +212,12 @@ def _down_kernel(a_ptr, qw_ptr, sc_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
                  stride_am, stride_ak, stride_qe, stride_qn, stride_qk, stride_se, stride_sn, stride_sg,
                  stride_ym, stride_yn,
                  GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
+                 BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr, RNE_BF16: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
-    """One [BM routes × BN hidden columns] tile of the down projection, router weight in the epilogue."""
+    """Program (m, n): rows of block m (one expert) × hidden columns n..n+BN, router weight in the epilogue."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
     a_dtype = a_ptr.dtype.element_ty
@@ -200,17 +226,42 @@ def _down_kernel(a_ptr, qw_ptr, sc_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
     row_ok = route < num_routes
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden column
     n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak  # [BM, BK]
+    w_ptrs = qw_ptr + expert * stride_qe + offs_n[None, :] * stride_qn + (offs_k // 8)[:, None] * stride_qk
+    s_ptrs = sc_ptr + expert * stride_se + offs_n * stride_sn  # [BN]
+    shifts = ((offs_k % 8) * 4)[:, None]  # [BK, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _int4_dot(acc, a_ptr + offs_m[:, None].to(tl.int64) * stride_am, row_ok[:, None], stride_ak,
-                    qw_ptr + expert.to(tl.int64) * stride_qe + offs_n[None, :] * stride_qn, stride_qk,
-                    sc_ptr + expert.to(tl.int64) * stride_se + offs_n * stride_sn, stride_sg, n_ok, K,
-                    GROUP_SIZE, BLOCK_K, COMPUTE, DOT_PRECISION)
-    # like the reference: y rounded to the activation dtype, then times the router weight
-    w = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)  # [BM]
-    y = acc.to(a_dtype).to(tl.float32) * w[:, None]
-    safe_route = tl.where(row_ok, route, 0).to(tl.int64)
-    tl.store(y_ptr + safe_route[:, None] * stride_ym + offs_n[None, :] * stride_yn, y.to(y_ptr.dtype.element_ty),
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(COMPUTE)  # [BM, BK]
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        codes = (tl.load(w_ptrs, mask=w_mask, other=0) >> shifts) & 0xF  # [BK, BN]
+        if BLOCK_K <= GROUP_SIZE:
+            scale = tl.load(s_ptrs + (k0 // GROUP_SIZE) * stride_sg, mask=n_ok, other=0.0)[None, :]  # [1, BN]
+        else:
+            scale = tl.load(s_ptrs[None, :] + ((k0 + offs_k) // GROUP_SIZE)[:, None] * stride_sg, mask=w_mask,
+                            other=0.0)  # [BK, BN]
+        if RNE_BF16:
+            w = _rne_bf16((codes - 8).to(tl.float32) * _rne_bf16(scale.to(tl.float32)))
+        else:
+            w = ((codes - 8).to(a_dtype) * scale.to(a_dtype)).to(COMPUTE)  # [BK, BN]
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += (BLOCK_K // 8) * stride_qk
+    # like the reference: y = F.linear(...) rounded, then y·w rounded
+    w_route = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)  # [BM]
+    if RNE_BF16:
+        y = _rne_bf16(_rne_bf16(acc) * w_route[:, None])
+    else:
+        y = acc.to(a_dtype).to(tl.float32) * w_route[:, None]  # [BM, BN]
+    y_rows = tl.where(row_ok, route, 0).to(tl.int64)  # [BM] output row = route id
+    tl.store(y_ptr + y_rows[:, None] * stride_ym + offs_n[None, :] * stride_yn, y.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
+
+
+# triton.jit returns an interpreter object when TRITON_INTERPRET was set at decoration time
+_INTERPRETED = type(_gate_up_kernel).__name__ == "InterpretedFunction"
 
 
 # ----------------------------------------------------------------------------- launch
@@ -218,7 +269,7 @@ def _down_kernel(a_ptr, qw_ptr, sc_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
 
 @dataclass(frozen=True)
 class TritonMoEConfig:
-    """Tile sizes of both launches. BLOCK_K must divide both projections' group sizes."""
+    """Tile sizes of both launches. block_k: a power of two >= 16; it divides or is a multiple of each group size."""
 
     block_m: int = 16
     block_n: int = 64
@@ -227,17 +278,17 @@ class TritonMoEConfig:
     num_stages: int = 3
 
 
-def default_config(num_routes: int, num_experts: int, group_size: int, interpret: bool | None = None
-                   ) -> TritonMoEConfig:
+def default_config(num_routes: int, num_experts: int, interpret: bool | None = None) -> TritonMoEConfig:
     """Tiles by regime: decode (few routes per expert) wants BM=16; prefill wants taller tiles.
 
-    Under the interpreter each program is a Python call, so it uses wide N tiles to launch fewer
-    programs (tile sizes do not change the arithmetic, only the summation order within fp32).
+    Under the interpreter each program is a Python call, so it uses wide tiles to launch fewer
+    programs and loop less (tile sizes do not change the arithmetic, only the fp32 summation order).
+    These GPU tiles are a first guess, not tuned: no GPU was available while writing them.
     """
     interpret = interpreting() if interpret is None else interpret
-    block_k = min(64, group_size)
+    block_k = 64
     if interpret:
-        return TritonMoEConfig(block_m=16, block_n=128, block_k=min(128, group_size), num_warps=1, num_stages=1)
+        return TritonMoEConfig(block_m=16, block_n=256, block_k=128, num_warps=1, num_stages=1)
     per_expert = num_routes / max(1, min(num_experts, num_routes))  # mean routes per active expert
     if per_expert <= 16:
         return TritonMoEConfig(16, 64, block_k, 4, 3)
@@ -252,19 +303,25 @@ def supports(x: torch.Tensor, gate_up: Int4Experts, down: Int4Experts) -> str | 
         return f"activation dtype {x.dtype} (needs fp16, bf16 or fp32)"
     if not x.is_cuda and not interpreting():
         return "a CPU tensor outside TRITON_INTERPRET=1"
-    if min(gate_up.group_size, down.group_size) < 16:
-        return f"group size {min(gate_up.group_size, down.group_size)} < 16 (tl.dot needs K tiles of 16)"
+    for gs in (gate_up.group_size, down.group_size):
+        if gs & (gs - 1):
+            return f"group size {gs} is not a power of two (K tiles hold whole groups or whole tiles)"
     if gate_up.out_features != 2 * down.in_features or gate_up.in_features != down.out_features:
         return "gate_up [E, 2I, H] and down [E, H, I] do not match"
     return None
 
 
-def _compute_dtype(dtype: torch.dtype) -> tl.dtype:
-    """Dtype of the unpacked weights and of the dot operands: the activation dtype, except bf16 in the
-    interpreter, whose bf16 arithmetic and dot are wrong (its fp32 -> bf16 cast also truncates)."""
-    if dtype == torch.bfloat16 and interpreting():
-        return tl.float32
-    return _TL_DTYPE[dtype]
+def _compute_dtype(dtype: torch.dtype) -> tuple[tl.dtype, bool]:
+    """(dtype of the dot operands, emulate bf16 rounding).
+
+    On a GPU the dot runs in the activation dtype (tensor cores, fp32 accumulation). In the
+    interpreter the operands (already rounded to the activation dtype) are held in fp32, which
+    gives the same products and fp32 sums: numpy has no fast fp16 matmul, and the interpreter's
+    bf16 arithmetic is wrong and its fp32 -> bf16 cast truncates, so bf16 rounding is done by hand.
+    """
+    if interpreting():
+        return tl.float32, dtype == torch.bfloat16
+    return _TL_DTYPE[dtype], False
 
 
 def fused_moe_w4a16(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: Int4Experts,
@@ -279,13 +336,14 @@ def fused_moe_w4a16(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
     num_experts = gate_up.num_experts
     if t == 0 or k == 0:
         return torch.zeros_like(x)
-    cfg = config or default_config(t * k, num_experts, min(gate_up.group_size, down.group_size))
-    if gate_up.group_size % cfg.block_k or down.group_size % cfg.block_k or cfg.block_k % 8:
-        raise ValueError(f"block_k={cfg.block_k} must be a multiple of 8 dividing the group sizes "
-                         f"({gate_up.group_size}, {down.group_size})")
+    cfg = config or default_config(t * k, num_experts)
+    for gs in (gate_up.group_size, down.group_size):
+        if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1) or (gs % cfg.block_k and cfg.block_k % gs):
+            raise ValueError(f"block_k={cfg.block_k} must be a power of two >= 16 that divides or is a multiple "
+                             f"of the group sizes ({gate_up.group_size}, {down.group_size})")
     r = align_routes(topk_idx, num_experts, cfg.block_m)
     p = r.max_rows
-    compute = _compute_dtype(x.dtype)
+    compute, rne_bf16 = _compute_dtype(x.dtype)
     precision = "ieee" if compute == tl.float32 else "tf32"  # fp32: no TF32 rounding; fp16/bf16 ignore it
     launch = {} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     fuse = is_silu(act_fn)
@@ -297,7 +355,7 @@ def fused_moe_w4a16(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
         x.stride(0), x.stride(1), qg.stride(0), qg.stride(1), qg.stride(2), sg.stride(0), sg.stride(1), sg.stride(2),
         h.stride(0), h.stride(1),
         GROUP_SIZE=gate_up.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        FUSE_SILU=fuse, COMPUTE=compute, DOT_PRECISION=precision, **launch)
+        FUSE_SILU=fuse, COMPUTE=compute, RNE_BF16=rne_bf16, DOT_PRECISION=precision, **launch)
     a = h if fuse else act_fn(h[:, :inter]) * h[:, inter:]  # [P, I]
     y = torch.zeros(r.num_routes, hidden, dtype=x.dtype, device=x.device)  # [S, H]; masked routes stay 0
     w = topk_w.reshape(-1)  # [S]
@@ -309,7 +367,7 @@ def fused_moe_w4a16(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
         a.stride(0), a.stride(1), qd.stride(0), qd.stride(1), qd.stride(2), sd.stride(0), sd.stride(1), sd.stride(2),
         y.stride(0), y.stride(1),
         GROUP_SIZE=down.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        COMPUTE=compute, DOT_PRECISION=precision, **launch)
+        COMPUTE=compute, RNE_BF16=rne_bf16, DOT_PRECISION=precision, **launch)
     return y.view(t, k, hidden).sum(dim=1)  # [T, H]: fp32 accumulation inside torch's sum, rounded once
 
 
