@@ -63,6 +63,14 @@ def test_model_default_K():
         (["verify_lossless=true", "temperature=0.7"], "temperature=0"),
         (["+memory.resident_experts=0"], "no expert slot"),
         (["+memory.resident_experts=999"], "exceeds"),
+        (["method=target_only", "memory.budget_mb=10"], "does not apply a memory budget"),
+        (["method=offload_ar", "memory.budget_mb=-5"], "memory.budget_mb must be > 0"),
+        (["method=offload_ar", "method.schedule=bogus"], "method.schedule"),
+        (["method=specter", "method.quant=bogus"], "method.quant"),
+        (["method=specter", "method.calibration_prompts=0"], "calibration_prompts"),
+        (["hardware.threads=-1"], "hardware.threads"),
+        (["hardware.dtype=bogus"], "hardware.dtype"),
+        (["model.load_ratio=0"], "load_ratio"),
     ],
 )
 def test_invalid_values_rejected(overrides, match):

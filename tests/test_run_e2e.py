@@ -31,7 +31,7 @@ def test_target_only_writes_records(model, tmp_path, tiny_checkpoint):
 def test_resume_keeps_finished_records_and_never_overwrites(tmp_path, tiny_checkpoint):
     tiny_checkpoint("tiny_qwen")
     out = tmp_path / "run"
-    args = ["model=tiny_qwen", "dataset=gsm8k", *FAST, f"output_dir={out}"]
+    args = ["method=target_only", "model=tiny_qwen", "dataset=gsm8k", *FAST, f"output_dir={out}"]
     assert run_cli(args).returncode == 0
     first = pd.read_csv(out / "records.csv")
     # simulate an interrupted run: drop the last record, rerun the same command
@@ -55,6 +55,7 @@ def test_resume_keeps_finished_records_and_never_overwrites(tmp_path, tiny_check
 
 def test_missing_real_weights_explains_without_traceback(tmp_path):
     res = run_cli(["model=dsv2", "memory=low", f"output_dir={tmp_path / 'o'}"], cwd=tmp_path)
+    assert res.returncode == 2
     assert res.returncode != 0
     assert "initialization.download_models" in res.stderr and "tiny_dsv2" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
