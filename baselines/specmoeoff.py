@@ -18,6 +18,7 @@ target-only decoding (same verification).
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,9 +32,12 @@ from specter.harness.methods import Method, Specter
 from specter.harness.runtime import build_runtime, gptq_draft_for, resize_cache
 from specter.models.loading import non_expert_bytes
 from specter.moe import MoERuntime
+from specter.offload.budget import Footprint
 from specter.offload.runtime import Runtime
 from specter.predict.planner import PlannerConfig, PrefetchPlanner
 from specter.quant.draft import build_draft, draft_forward
+from specter.speculative.batch_state import BatchKV
+from specter.speculative.batched import BatchedSpeculativeEngine
 from specter.speculative.engine import SpeculativeEngine
 from specter.speculative.sampling import SamplingParams
 from specter.speculative.state import SequenceState
@@ -100,6 +104,61 @@ class SeparateDraftEngine(SpeculativeEngine):
             return self.draft_model(input_ids=ids, cache=self._draft_cache, use_cache=True).logits[0]  # [T, V]
 
 
+class BatchedSeparateDraftEngine(BatchedSpeculativeEngine):
+    """`SeparateDraftEngine` over B requests: the draft model keeps its own batched cache (a `BatchKV`
+    in the target's row order); verification, acceptance and the target cache are Specter's batched ones.
+
+    Between windows the draft cache holds each request's committed tokens but the last two, and the
+    window's first draft step feeds those two (``[B, 2]``), so every row has the same shape whatever
+    it accepted before; after verification a row keeps a+1 of the window's Kb+1 draft columns, which
+    restores that invariant. At admission the prompts are prefilled (padding masked) and their last
+    position given back. Prompt routes are not counted into the ELB (padded rows would be counted).
+    """
+
+    def __init__(self, rt: Runtime, draft_model: torch.nn.Module, draft_moe: MoERuntime, K: int,
+                 params: SamplingParams, planner: PrefetchPlanner, max_holes: int = 0):
+        self.draft_model, self.draft_moe = draft_model, draft_moe
+        super().__init__(rt, K, params, prefetch="early", max_holes=max_holes)  # counted: keeps an ELB
+        self.planner, self.prefetch = planner, planner.name
+        self._cold = self._warm = (planner.bandwidth, planner.draft_step)
+
+    def begin_run(self) -> None:
+        super().begin_run()
+        self.draft_kv = BatchKV(self.draft_model.config, self.device, self.max_holes)
+
+    def _run_draft(self, ids, position_ids, mask, cache, elb) -> torch.Tensor:
+        with self.draft_moe.mode("draft", elb=elb):
+            return self.draft_model(input_ids=ids, position_ids=position_ids, attention_mask=mask, cache=cache,
+                                    use_cache=True).logits  # [B, T, V]
+
+    def _join(self, fresh: BatchKV, prompts: list[torch.Tensor]) -> None:
+        super()._join(fresh, prompts)
+        draft = BatchKV(self.draft_model.config, self.device, self.max_holes)
+        ids, positions, mask = draft.prefill_inputs(prompts, getattr(self.draft_model.config, "pad_token_id", None) or 0)
+        self._run_draft(ids, positions, mask, draft.cache, elb=None)
+        draft.uncommit_last()  # the first window feeds it again, beside the first uncached token
+        self.draft_kv.merge(draft)
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        super()._keep_rows(rows)
+        self.draft_kv.select(rows)
+
+    def _first_draft_input(self, last: torch.Tensor) -> torch.Tensor:
+        before = torch.tensor([(r.prompt + r.tokens)[-2] for r in self.active], device=last.device)  # [B]
+        return torch.cat([before[:, None], last], dim=1)  # [B, 2]
+
+    def _draft_step(self, tok: torch.Tensor) -> torch.Tensor:
+        position_ids, mask = self.draft_kv.forward_inputs(tok.shape[1])
+        self.draft_kv.appended(tok.shape[1])
+        return self._run_draft(tok, position_ids, mask, self.draft_kv.cache, self.elb)[:, -1]  # [B, V]
+
+    def _end_draft(self) -> None:
+        """The target's cache holds no draft scratch."""
+
+    def _commit_draft(self, accepted: list[int]) -> None:
+        self.draft_kv.commit([a + 1 for a in accepted])
+
+
 def real_expert_count(cfg: DictConfig) -> int:
     """Routed experts of the real model a tiny one mirrors (the presets are counts of those)."""
     real = cfg.model.get("real")
@@ -154,6 +213,16 @@ class SpecMoEOff(Specter):
         self.engine = SeparateDraftEngine(self.rt, self.draft_model, self.draft_moe, self.K, self.params, planner)
         self.verify = bool(cfg.verify_lossless) and self.params.temperature == 0
         self.tie_tolerance = float(cfg.get("lossless_tie_tolerance", 0.0))
+
+    def make_batch_engine(self) -> BatchedSeparateDraftEngine:
+        planner = RouteFrequencyPlanner(self.K, self.rt.om.store.nbytes_per_expert, self.cfg.method.prefetch_at)
+        return BatchedSeparateDraftEngine(self.rt, self.draft_model, self.draft_moe, self.K, self.params, planner)
+
+    def batch_footprint(self, B: int) -> Footprint:
+        """At batch size B the separate draft's KV cache and scratch grow with B too."""
+        fp, d = self.rt.footprint, self.draft_extra
+        return replace(fp, kv_cache=B * fp.kv_cache, scratch=B * fp.scratch,
+                       draft_experts=fp.draft_experts + (B - 1) * (d["kv_cache"] + d["scratch"]))
 
     def static_fields(self) -> dict[str, Any]:
         return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.schedule,

@@ -76,15 +76,15 @@ def test_batched_specter_equals_b1_greedy(name, memory, tiny_checkpoint, referen
         method.close()
 
 
-def _corrupt_draft(method) -> None:
+def _corrupt_draft_of(moe) -> None:
     """A much worse draft (per-token scaled expert outputs): requests reject at different positions."""
-    inner = method.rt.moe.draft_forward
+    inner = moe.draft_forward
 
     def noisy(x, idx, w, d, act):
         scale = 1 + 4 * torch.sin(torch.arange(x.shape[0], dtype=x.dtype) * 1.7 + x[:, 0].sign())[:, None]
         return inner(x, idx, w, d, act) * scale
 
-    method.rt.moe.draft_forward = noisy
+    moe.draft_forward = noisy
 
 
 @pytest.mark.parametrize(("name", "max_holes"), [("tiny_dsv2", 0), ("tiny_phi", 6)])  # MLA and GQA caches
@@ -93,7 +93,7 @@ def test_rollback_with_uneven_acceptance(name, max_holes, tiny_checkpoint, refer
     rollback (compaction, or masked holes kept up to `max_holes` columns) keeps every output exact."""
     ck = tiny_checkpoint(name)
     method = build_method(_cfg(name, "low", "K=4"), ck)
-    _corrupt_draft(method)
+    _corrupt_draft_of(method.rt.moe)
     prompts = _prompts(1)[:5]
     try:
         m = method.cfg.method
@@ -274,7 +274,7 @@ def test_padding_filter_sends_padded_tokens_to_no_expert():
 
 # ---------------------------------------------------------------------------------- experiment=batch
 def test_batch_experiment_writes_records_and_refuses_what_does_not_fit(tmp_path, tiny_checkpoint):
-    from specter.harness.batch import BATCH_COLUMNS, largest_batch, run_batch
+    from specter.harness.batch import BATCH_COLUMNS, footprint_at, largest_batch, run_batch
 
     tiny_checkpoint("tiny_dsv2")
     out = tmp_path / "batch"
@@ -302,13 +302,34 @@ def test_batch_experiment_writes_records_and_refuses_what_does_not_fit(tmp_path,
 
     # a budget that holds one request but not two: B=2 is refused with the number that fits, B=1 runs
     method = build_method(compose([*args, f"output_dir={tmp_path / 'probe'}"]), tiny_checkpoint("tiny_dsv2"))
-    fp, method_budget = method.rt.footprint, method.rt.budget_bytes
+    one, two, method_budget = footprint_at(method, 1), footprint_at(method, 2), method.rt.budget_bytes
     method.close()
-    budget_mb = (fp.total + (fp.kv_cache + fp.scratch) // 2) / (1 << 20)
-    assert largest_batch(fp, int(budget_mb * (1 << 20))) == 1 and method_budget > fp.total
+    budget_mb = (one.total + (two.total - one.total) // 2) / (1 << 20)
+    assert largest_batch(one, two, int(budget_mb * (1 << 20))) == 1 and method_budget > one.total
+    assert two.kv_cache == 2 * one.kv_cache and two.scratch == 2 * one.scratch
     tight = tmp_path / "tight"
     run_batch(compose([*args, f"memory.budget_mb={budget_mb}", f"output_dir={tight}"]))
     summary = pd.read_csv(tight / "batch_summary.csv").set_index("batch_size")
     assert summary.loc[1, "status"] == "measured"
     assert "refused" in summary.loc[2, "status"] and "largest batch that fits is B=1" in summary.loc[2, "status"]
     assert not (tight / "B=2").exists()
+
+
+def test_batched_specmoeoff_equals_b1_greedy(tiny_checkpoint, reference):
+    """The separate-draft baseline batched: its own draft cache per request (in the target's row order),
+    prompts of length 1..16, requests leaving at different times."""
+    name = "tiny_qwen"
+    ck = tiny_checkpoint(name)
+    method = build_method(compose([f"model={name}", "memory=low", "method=specmoeoff", "method.quant=rtn",
+                                   "hardware=emulated", "hardware.bandwidth_gbps=20", "hardware.latency_us=5"]), ck)
+    _corrupt_draft_of(method.draft_moe)
+    prompts = _prompts(6)[:5]
+    lengths = [NEW, 9, NEW, 14, 5]
+    try:
+        run = method.generate_batch(prompts, lengths, [None] * 5)
+        assert run.tokens == [reference(name, ck, p, n) for p, n in zip(prompts, lengths)]
+        assert len({round(r.stats["accepted_fraction"], 3) for r in run.requests}) > 1
+        fp1, fp4 = method.batch_footprint(1), method.batch_footprint(4)
+        assert fp4.draft_experts - fp1.draft_experts == 3 * (method.draft_extra["kv_cache"] + method.draft_extra["scratch"])
+    finally:
+        method.close()

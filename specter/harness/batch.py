@@ -79,23 +79,31 @@ def batch_footprint(footprint: Footprint, B: int) -> Footprint:
     return replace(footprint, kv_cache=B * footprint.kv_cache, scratch=B * footprint.scratch)
 
 
-def largest_batch(footprint: Footprint, budget_bytes: int) -> int:
-    """The largest B whose footprint fits the budget (0: not even one request)."""
-    per_request = footprint.kv_cache + footprint.scratch
-    fixed = footprint.total - per_request
-    return max(0, (budget_bytes - fixed) // per_request) if per_request else 10**9
+def footprint_at(method: Method, B: int) -> Footprint | None:
+    """The method's device footprint at batch size B (None: no budget applies). A method whose
+    other state grows with B too (a separate draft's KV) says so with `batch_footprint(B)`."""
+    if hasattr(method, "batch_footprint"):
+        return method.batch_footprint(B)
+    rt = getattr(method, "rt", None)
+    return batch_footprint(rt.footprint, B) if rt is not None else None
+
+
+def largest_batch(one: Footprint, two: Footprint, budget_bytes: int) -> int:
+    """The largest B that fits, from the footprints at B=1 and B=2 (footprints are linear in B)."""
+    per_request = two.total - one.total
+    fixed = one.total - per_request
+    return max(0, (budget_bytes - fixed) // per_request) if per_request > 0 else 10**9
 
 
 def refusal(method: Method, B: int) -> str | None:
     """Why batch size B does not fit the method's memory tier (None: it fits, or no budget applies)."""
-    rt = getattr(method, "rt", None)
-    if rt is None:
+    fp = footprint_at(method, B)
+    if fp is None or fp.total <= method.rt.budget_bytes:
         return None
-    fp = batch_footprint(rt.footprint, B)
-    if fp.total <= rt.budget_bytes:
-        return None
-    return (f"B={B} needs {fp.describe()} on the device, more than the budget of {rt.budget_bytes / MB:.2f} MB; "
-            f"the largest batch that fits is B={largest_batch(rt.footprint, rt.budget_bytes)}")
+    budget = method.rt.budget_bytes
+    fits = largest_batch(footprint_at(method, 1), footprint_at(method, 2), budget)
+    return (f"B={B} needs {fp.describe()} on the device, more than the budget of {budget / MB:.2f} MB; "
+            f"the largest batch that fits is B={fits}")
 
 
 # ---------------------------------------------------------------------------------- batch.csv
@@ -254,7 +262,7 @@ def _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo: dict[int, list[tupl
             with run_folder(sub, provenance_of(prompt_sets)) as out:
                 records = RecordWriter(out / "records.csv")
                 check_weights(out, digest, records.finished)
-                fp = batch_footprint(method.rt.footprint, B) if getattr(method, "rt", None) is not None else None
+                fp = footprint_at(method, B)
                 write_environment(out, {"method": method.environment(), "checkpoint": str(checkpoint),
                                         "weights_sha256": digest, "batch_size": B,
                                         "batch_footprint_bytes": fp.__dict__ if fp else None})

@@ -54,6 +54,7 @@ class Request:
     prompt_len: int
     max_new_tokens: int
     generator: torch.Generator | None = None  # per-request sampling stream
+    prompt: list[int] = field(default_factory=list)  # prompt token ids
     clock: CommitClock = field(default_factory=CommitClock)
     tokens: list[int] = field(default_factory=list)  # committed generated tokens; the last is uncached
     drafted: list[int] = field(default_factory=list)  # K_b per speculative iteration
@@ -165,6 +166,15 @@ class BatchKV:
                 setattr(layer, name, t.gather(2, index))  # [B, heads, L, D]
         self.valid = torch.arange(L, device=self.device)[None] >= (L - self.lengths)[:, None]  # [B, L]
         self.compactions += 1
+
+    def uncommit_last(self) -> None:
+        """Forget every row's last committed position, where right-aligned rows all end (after a
+        prefill): the column is cropped, and the next forward recomputes it."""
+        if self.pending or not bool(self.valid[:, -1].all()):
+            raise RuntimeError("uncommit_last() needs rows that all end in the last column, nothing pending")
+        self.cache.crop(-1)
+        self.valid = self.valid[:, :-1]
+        self.lengths = self.lengths - 1
 
     # ------------------------------------------------------------------------------ membership
     def select(self, rows: list[int]) -> None:

@@ -126,7 +126,8 @@ class BatchLoop:
             raise ValueError("a prompt needs at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        req = Request(self._next_rid if rid is None else rid, int(prompt.numel()), max_new_tokens, generator)
+        req = Request(self._next_rid if rid is None else rid, int(prompt.numel()), max_new_tokens, generator,
+                      prompt=prompt.tolist())
         self._next_rid += 1
         self.queue.append((req, prompt))
         self.submitted.append(req)
@@ -197,8 +198,16 @@ class BatchLoop:
         for b, (req, _) in enumerate(entering):
             req.tokens = [next_token(logits[b], self.params, req.generator)]
             req.clock.commit(1)
-        self.kv.merge(fresh)
+        self._join(fresh, [p for _, p in entering])
         self.active.extend(req for req, _ in entering)
+
+    def _join(self, fresh: BatchKV, prompts: list[torch.Tensor]) -> None:
+        """New rows (their prefilled KV) join the running batch; a subclass with more per-row state extends it."""
+        self.kv.merge(fresh)
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        """Only ``rows`` stay in the batch (finished requests leave)."""
+        self.kv.select(rows)
 
     def _retire(self) -> list[Request]:
         done = [r for r in self.active if r.done]
@@ -206,7 +215,7 @@ class BatchLoop:
             req.stats = self.request_stats(req)
         if done:
             keep = [b for b, r in enumerate(self.active) if not r.done]
-            self.kv.select(keep)
+            self._keep_rows(keep)
             self.active = [self.active[b] for b in keep]
         return done
 
@@ -345,7 +354,7 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
         window0 = (link.bytes_copied, link.busy_seconds)
         t0 = time.perf_counter()
         drafts, q = self._draft_batch(last, Kb, limits)  # [B, Kb], [B, Kb, V] | None
-        self.kv.discard_pending()  # drop the draft scratch of every request
+        self._end_draft()
         t1 = time.perf_counter()
         verify_ids = torch.cat([last, drafts], dim=1)  # [B, Kb+1]
         position_ids, mask = self._step_inputs(verify_ids)
@@ -355,6 +364,7 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
         self._score_prediction(self.trace)
         accepted, tokens = self._verify(drafts, q, target_logits, limits)
         self._commit(accepted, tokens, drafts.tolist())
+        self._commit_draft(accepted)
         for b, req in enumerate(reqs):
             if limits[b] > 0:
                 req.drafted.append(limits[b])
@@ -390,11 +400,10 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
         if self.prefetch == "oracle":
             self._oracle_prefetch_batch(last, Kb)
         tokens, qs = [], []
-        tok = last  # [B, 1]
+        tok = self._first_draft_input(last)  # [B, T]
         self.timer.start()
         for step in range(1, Kb + 1):
-            position_ids, mask = self._step_inputs(tok)
-            logits = self._forward_batch(tok, position_ids, mask, "draft")[:, -1]  # [B, V]
+            logits = self._draft_step(tok)  # [B, V]
             d, q = self._draft_sample(logits, step, limits)  # [B], [B, V] | None
             tokens.append(d)
             qs.append(q)
@@ -411,6 +420,22 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
         self.trace.phases.extend((c.phase, c.start, c.end, c.batch) for c in planner.trace)
         drafts = torch.stack(tokens, dim=1)  # [B, Kb]
         return drafts, (torch.stack(qs, dim=1) if qs[0] is not None else None)
+
+    # -- draft hooks: the shared-instance draft extends the target's own cache (a variant with a
+    #    separate draft model and cache overrides these four)
+    def _first_draft_input(self, last: torch.Tensor) -> torch.Tensor:
+        return last  # [B, 1]: the last committed token, the first uncached input
+
+    def _draft_step(self, tok: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[B, V]`` after feeding ``tok [B, T]`` (scratch columns on the target's cache)."""
+        position_ids, mask = self._step_inputs(tok)
+        return self._forward_batch(tok, position_ids, mask, "draft")[:, -1]
+
+    def _end_draft(self) -> None:
+        self.kv.discard_pending()  # drop the draft scratch of every request
+
+    def _commit_draft(self, accepted: list[int]) -> None:
+        """Nothing to keep: the shared-instance draft reads the target's committed KV."""
 
     def _draft_sample(self, logits: torch.Tensor, step: int, limits: list[int]):
         """Draft tokens ``[B]`` (and q ``[B, V]`` when sampling); a request past its K_b takes the
