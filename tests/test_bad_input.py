@@ -178,7 +178,7 @@ def test_bad_calibration_file_is_one_line_naming_it(content, needle, calibration
     calibration_home.write_text(content)
     rc, out, err = cli([*BASE, *EMULATED, f"output_dir={tmp_path / 'o'}"], capsys)
     line = assert_one_line_error(rc, out, err, needle)
-    assert str(calibration_home) in line or "expert load" in line
+    assert str(calibration_home) in line and "hardware.recalibrate=true" in line
 
 
 def test_recalibrate_fixes_a_corrupt_calibration_in_the_same_folder(calibration_home, capsys, tmp_path):

@@ -74,7 +74,8 @@ def test_failed_start_accepts_a_corrected_configuration(tmp_path, capsys, tiny_c
     assert cli.main(base) == 0
     err = capsys.readouterr().err
     assert "holds no finished record yet: taking the new configuration" in err and "memory.budget_mb" in err
-    assert len(pd.read_csv(out / "records.csv")) == 3
+    records = pd.read_csv(out / "records.csv")
+    assert len(records) == 3 and (records.schedule == "expert").all()  # the schedule that ran is recorded
     # once a record is finished, a different configuration is refused again
     assert cli.main([*base, "max_new_tokens=5"]) == 2
     (line,) = error_lines(capsys.readouterr().err)

@@ -90,8 +90,13 @@ def calibrated_link(expert_bytes: int, load_ratio: float, calibration_file: Path
     load_s = load_ratio * per_layer
     latency = float(latency_us) * 1e-6 if latency_us is not None else 0.05 * load_s
     bandwidth = expert_bytes / max(load_s - latency, 1e-9)
-    return _checked(LinkParams("emulated", bandwidth, latency, per_layer, load_s, load_ratio, calibrated=True,
-                               calibration_file=str(calibration_file)))
+    try:
+        return _checked(LinkParams("emulated", bandwidth, latency, per_layer, load_s, load_ratio, calibrated=True,
+                                   calibration_file=str(calibration_file)))
+    except CalibrationError as err:
+        raise CalibrationError(
+            f"{err} (link calibration {calibration_file}: layer step {per_layer:.3g} s x load_ratio {load_ratio}); "
+            "rerun with hardware.recalibrate=true, or fix hardware.bandwidth_gbps") from None
 
 
 def read_calibration(path: Path) -> float:
@@ -107,12 +112,12 @@ def read_calibration(path: Path) -> float:
 
 
 def _checked(p: LinkParams) -> LinkParams:
+    if p.expert_load_s is not None and p.expert_load_s > MAX_EXPERT_LOAD_S:
+        raise CalibrationError(f"one expert load would take {p.expert_load_s:.3g} s (> {MAX_EXPERT_LOAD_S} s); "
+                               "check model.load_ratio / hardware.bandwidth_gbps")
     if p.bandwidth_bytes_per_s is not None and p.bandwidth_bytes_per_s < MIN_BANDWIDTH_BYTES_PER_S:
         raise CalibrationError(f"emulated link bandwidth {p.bandwidth_bytes_per_s:.3g} B/s is below the "
                                f"{MIN_BANDWIDTH_BYTES_PER_S:.0e} B/s bound")
     if p.latency_s is not None and not 0 <= p.latency_s <= MAX_LATENCY_S:
         raise CalibrationError(f"emulated link latency {p.latency_s:.3g} s is outside [0, {MAX_LATENCY_S}] s")
-    if p.expert_load_s is not None and p.expert_load_s > MAX_EXPERT_LOAD_S:
-        raise CalibrationError(f"one expert load would take {p.expert_load_s:.3g} s (> {MAX_EXPERT_LOAD_S} s); "
-                               "check model.load_ratio / hardware.bandwidth_gbps, or rerun with hardware.recalibrate=true")
     return p
