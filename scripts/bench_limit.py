@@ -37,7 +37,7 @@ def measure(model: str, memory: str, args) -> tuple[list[dict], list[dict], dict
     from specter.speculative.trace import window_limits
 
     overrides = [f"model={model}", f"memory={memory}", "method=specter", f"hardware={args.hardware}",
-                 f"model.trained={not args.untrained}", *args.override]
+                 f"model.trained={not args.untrained}", "method.trace_windows=true", *args.override]
     cfg = compose(overrides)
     torch.set_num_threads(int(cfg.hardware.threads or torch.get_num_threads()))
     checkpoint = model_checkpoint(cfg)
@@ -47,7 +47,7 @@ def measure(model: str, memory: str, args) -> tuple[list[dict], list[dict], dict
     windows, events = [], []
     try:
         encode = lambda text: torch.tensor([tok(text, add_special_tokens=False).input_ids[:16]])  # noqa: E731
-        method.generate(encode(prompts[0]), 32, make_generator("cpu", 0))  # warm-up, untraced
+        method.generate(encode(prompts[0]), 32, make_generator("cpu", 0))  # warm-up
         method.warmed()
         engine = method.engine
         load_ms = method.rt.link.transfer_seconds(method.rt.om.store.nbytes_per_expert) * 1e3 \
@@ -55,11 +55,9 @@ def measure(model: str, memory: str, args) -> tuple[list[dict], list[dict], dict
         tpots = []
         for i, text in enumerate(prompts):
             method.reset()
-            engine.trace_windows = True
             gen = method.generate(encode(text), args.max_new_tokens, make_generator("cpu", i))
-            engine.trace_windows = False
             tpots.append(gen.clock.latency()["tpot_ms"])
-            for row in window_limits(engine.tracer, engine.capacity, load_ms):
+            for row in window_limits(engine.tracer, engine.plan_capacity, load_ms):
                 windows.append({"model": model, "memory": memory, "record": i, **row})
             events += [{"model": model, "memory": memory, "record": i, **e} for e in engine.tracer.rows()]
     finally:
@@ -73,6 +71,7 @@ def measure(model: str, memory: str, args) -> tuple[list[dict], list[dict], dict
         "draft_ms": w.draft_ms.sum(), "verify_compute_ms": w.verify_compute_ms.sum(),
         "verify_wait_ms": w.verify_wait_ms.sum(), "link_idle_in_draft_ms": w.link_idle_in_draft_ms.sum(),
         "copy_queued_ms": w.copy_queued_ms.sum(), "expert_load_ms": load_ms,
+        "staging_buffers": method.rt.cache.staging,
     }
     return windows, events, summary
 
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     table = pd.DataFrame(summaries)
     table.to_csv(out / "limit.csv", index=False)
     pd.DataFrame(all_windows).to_csv(out / "limit_windows.csv", index=False)
-    cols = ["model", "memory", "K", "M", "tpot_ms", "specter_over_limit", "draft_ms", "verify_compute_ms",
+    cols = ["model", "memory", "K", "M", "staging_buffers", "tpot_ms", "specter_over_limit", "draft_ms", "verify_compute_ms",
             "verify_wait_ms", "link_idle_in_draft_ms", "copy_queued_ms"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"wrote {out / 'limit.csv'}, {out / 'limit_windows.csv'}, {out}/trace_*.csv")

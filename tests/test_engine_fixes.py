@@ -134,3 +134,22 @@ def test_exact_greedy_records_say_so(tiny_checkpoint):
         assert method.generate(torch.tensor([[5, 6, 7, 8]]), 12, None).stats["lossless_check"] == "exact"
     finally:
         method.close()
+
+
+def test_plan_capacity_shares_staging_buffers_earliest_layers_first():
+    from specter.speculative.engine import plan_capacity
+
+    assert plan_capacity({1: 4, 2: 4, 3: 4}, 0) == {1: 4, 2: 4, 3: 4}
+    assert plan_capacity({1: 4, 2: 4, 3: 4}, 5) == {1: 6, 2: 6, 3: 5}
+
+
+def test_boundary_plans_beyond_M_into_staging_buffers(filled_store):
+    """With S staging buffers a plan longer than M is loaded whole: the extra experts borrow buffers."""
+    store = filled_store(16, layers=[1])
+    cache = ExpertCache(store, ImmediateLink(), {1: 2}, "cpu", torch.float32, staging=2)
+    planner = make_policy("early", 4, store.nbytes_per_expert)
+    planner.begin_window(4)
+    assert prefetch_at_boundary(cache, planner, 1, {1: [9, 8, 7, 6]}, {1: 4}) == 0
+    assert {9, 8, 7, 6} <= cache.resident(1)
+    assert cache.counters.staged_loads == 2
+    cache.release_prefetches()

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, effective_K
-from specter.harness.runtime import build_runtime, device_and_dtype, gptq_draft_for
+from specter.harness.runtime import build_runtime, device_and_dtype, gptq_draft_for, resize_cache
 from specter.metrics import CommitClock, io_stats
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
@@ -35,6 +35,9 @@ class Generation:
     tokens: list[int]
     clock: CommitClock
     stats: dict[str, Any] = field(default_factory=dict)  # extra record columns (acceptance, I/O, ...)
+    # Per-record tables the run folder keeps beside records.csv (name -> rows), e.g. "routes"
+    # (the target's experts per window, Fig. 13) and "trace" (per-window pipeline events).
+    artifacts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 class Method:
@@ -138,7 +141,7 @@ class OffloadAR(Method):
             hook.remove()
         stats = {**io_stats(self.rt.cache, self.rt.link.busy_seconds - busy0), "oracle_h2d_bytes": oracle_bytes(self.rt, log)}
         self.route_log = log
-        return Generation(tokens, clock, stats)
+        return Generation(tokens, clock, stats, {"routes": log.rows()})
 
     def generate_batch(self, prompts, max_new_tokens, generators):
         """Batched autoregressive offloading: each step's expert-wise MoE loads an expert once for all B."""
@@ -178,8 +181,12 @@ class Specter(Method):
             self.rt.close()
             raise
         self.draft_bytes = sum(d.nbytes for d in self.draft.values())
-        self.rt.enforce_budget(f"{cfg.model.name} {m.name} at memory={cfg.memory.name} (M={self.rt.resident})",
-                               draft_bytes=self.draft_bytes)
+        what = f"{cfg.model.name} {m.name} at memory={cfg.memory.name} (M={self.rt.resident})"
+        self.rt.enforce_budget(what, draft_bytes=self.draft_bytes)
+        staging = self.staging_buffers()
+        if staging:
+            self.rt = resize_cache(self.rt, self.rt.resident, staging=staging)
+            self.rt.enforce_budget(f"{what} with {staging} staging buffers", draft_bytes=self.draft_bytes)
         self.rt.moe.draft, self.rt.moe.draft_forward = self.draft, draft_forward
         self.engine = self.engine_class(self.rt, self.K, self.params, prefetch=m.prefetch,
                                         planner_config=PlannerConfig(**(m.get("planner") or {})),
@@ -190,6 +197,17 @@ class Specter(Method):
     def expert_filter(self):
         """Verification-time expert filter (None: every routed expert is computed, lossless)."""
         return None
+
+    def staging_buffers(self) -> int:
+        """Staging buffers beyond the M slots: `method.staging_buffers`, or (null) as many whole experts
+        as the tier's budget still holds after everything else, at most `method.staging_cap`."""
+        m = self.cfg.method
+        if m.get("staging_buffers") is not None:
+            if m.staging_buffers < 0:
+                raise ConfigError(f"method.staging_buffers must be >= 0 (or null = fit the budget), got {m.staging_buffers}")
+            return int(m.staging_buffers)
+        headroom = self.rt.budget_bytes - self.rt.footprint.total
+        return max(0, min(int(m.get("staging_cap", 32)), headroom // self.rt.om.store.nbytes_per_expert))
 
     def reset(self) -> None:
         self.rt.cache.reset()
@@ -224,10 +242,14 @@ class Specter(Method):
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         clock = CommitClock()
+        self.engine.trace_windows = bool(self.cfg.method.get("trace_windows"))
         tokens, stats = self.engine.generate(prompt_ids, max_new_tokens, generator, clock)
+        artifacts = {"routes": self.engine.route_log.rows()}
+        if self.engine.tracer is not None:
+            artifacts["trace"] = self.engine.tracer.rows()
         if self.verify:
             stats["lossless_check"] = self._check_lossless(prompt_ids, tokens)
-        return Generation(tokens, clock, stats)
+        return Generation(tokens, clock, stats, artifacts)
 
     def _check_lossless(self, prompt_ids, tokens) -> str:
         """Greedy target-only decoding through the same runtime; "exact", "tie@i" or a violation.

@@ -119,8 +119,9 @@ def build_runtime(cfg: DictConfig, checkpoint: Path, K: int = 0, resident: int |
     return Runtime(om, cache, link, moe, params, footprint, budget_bytes(cfg, full), M, digest)
 
 
-def resize_cache(rt: Runtime, resident: int) -> Runtime:
-    """The same runtime (model, host store, link) with `resident` slots per MoE layer.
+def resize_cache(rt: Runtime, resident: int, staging: int | None = None) -> Runtime:
+    """The same runtime (model, host store, link) with `resident` slots per MoE layer
+    (and `staging` shared staging buffers; None keeps the current count).
 
     For methods whose slot count follows from bytes only known once the model is loaded
     (a derived same-memory count, what fits beside a separate draft)."""
@@ -128,7 +129,7 @@ def resize_cache(rt: Runtime, resident: int) -> Runtime:
         raise ConfigError(f"{resident} resident experts per layer: need 1..{rt.om.num_experts}")
     old = rt.cache
     cache = ExpertCache(old.store, rt.link, {layer: resident for layer in old.layers}, old.device, old.dtype,
-                        staging=old.staging)
+                        staging=old.staging if staging is None else staging)
     rt.moe.cache = cache
     return replace(rt, cache=cache, resident=resident,
                    footprint=replace(rt.footprint, cache_slots=cache.device_bytes()))

@@ -85,6 +85,8 @@ class SpecterMethodConfig(OffloadMethodConfig):
     planner_state: str = "warm"  # warm | cold | carry
     planner: dict[str, float] = field(default_factory=dict)  # PlannerConfig overrides
     trace_windows: bool = False  # write every window's pipeline events to trace.csv (host-timed links)
+    staging_buffers: Optional[int] = None  # extra expert buffers shared by all layers; null = what the budget fits
+    staging_cap: int = 32  # at most this many when automatic (the paper's artifact gives DeepSeek/Qwen 32)
 
 
 @dataclass

@@ -70,6 +70,16 @@ def acceptance_stats(drafted: list[int], accepted: list[int]) -> dict[str, float
     }
 
 
+def plan_capacity(capacity: dict[int, int], staging: int) -> dict[int, int]:
+    """Experts a window's plan may keep per layer: its M slots plus a share of the S staging buffers.
+
+    Verification visits layers in order and a layer returns its borrowed buffers once it is done,
+    so the buffers are split evenly, the remainder going to the earliest layers (needed first)."""
+    layers = sorted(capacity)
+    share, extra = divmod(staging, len(layers)) if layers else (0, 0)
+    return {layer: capacity[layer] + share + (i < extra) for i, layer in enumerate(layers)}
+
+
 def prefetch_at_boundary(cache, planner, step: int, plan: dict[int, list[int]], capacity: dict[int, int]) -> int:
     """Make the plan's top-M experts resident: pin the ones already resident, load the planner's batch.
 
@@ -106,7 +116,8 @@ class SpeculativeEngine:
         self.cache = rt.cache
         self.moe = rt.moe
         self.layers = rt.om.moe_layers
-        self.capacity = {layer: self.cache.capacity(layer) for layer in self.layers}
+        self.capacity = {layer: self.cache.capacity(layer) for layer in self.layers}  # M per layer
+        self.plan_capacity = plan_capacity(self.capacity, getattr(self.cache, "staging", 0))
         self.device = next(self.model.parameters()).device
         counted = prefetch in ("adaptive", "early", "late")
         self.elb = ExpertLoadBuffer(self.layers, rt.om.num_experts, self.device) if counted else None
@@ -232,12 +243,12 @@ class SpeculativeEngine:
 
     def _boundary(self, step: int, trace: WindowTrace) -> None:
         """Snapshot the ELB's top-M plan and act on it (see `prefetch_at_boundary`)."""
-        plan = self.elb.snapshot_plan(self.capacity)  # layer -> top-M counted experts; one D2H copy
+        plan = self.elb.snapshot_plan(self.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
         for layer, experts in plan.items():
             self._window_predicted[layer].update(experts)
         t0 = time.perf_counter()
         before = self.rt.link.bytes_copied
-        trace.dropped_prefetches += prefetch_at_boundary(self.cache, self.planner, step, plan, self.capacity)
+        trace.dropped_prefetches += prefetch_at_boundary(self.cache, self.planner, step, plan, self.plan_capacity)
         if self.tracer is not None:
             self.tracer.span("boundary", t0, time.perf_counter(), bytes=self.rt.link.bytes_copied - before,
                              phase=f"step {step}: {self.planner.trace[-1].phase}")
@@ -261,7 +272,7 @@ class SpeculativeEngine:
                     counts[layer][e] += 1
         self.route_log = saved
         for layer in self.layers:
-            ranked = sorted(counts[layer], key=lambda e: (-counts[layer][e], e))[: self.capacity[layer]]
+            ranked = sorted(counts[layer], key=lambda e: (-counts[layer][e], e))[: self.plan_capacity[layer]]
             for expert in ranked:
                 if self.cache.prefetch(ExpertUID(layer, expert)) is None:
                     self.trace.dropped_prefetches += 1
@@ -274,7 +285,7 @@ class SpeculativeEngine:
             pred, act = self._window_predicted.get(layer, set()), actual.get(layer, set())
             trace.predicted_hits += len(pred & act)
             trace.predicted += len(pred)
-            trace.actual_capped += min(len(act), self.capacity[layer])
+            trace.actual_capped += min(len(act), self.plan_capacity[layer])
 
     # ------------------------------------------------------------------------------ metrics
     def _stats(self, trace: WindowTrace, link_busy_s: float) -> dict[str, Any]:

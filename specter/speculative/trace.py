@@ -6,7 +6,8 @@ expert (waiting for its copy, computing), and the residents each layer started t
 Times are milliseconds since the record's start. Host-timed links only (cpu, emulated): on CUDA
 the copies run on their own stream and are not traced here.
 
-The lower bound of one window, under the same M slots per layer (`window_limits`):
+The lower bound of one window, under the same device buffers (`window_limits`; M below is a
+layer's slots plus its share of the staging buffers, `engine.plan_capacity`):
 
     D   draft time (measured; the draft's compute is not what we try to hide)
     V   verification compute, waits excluded (measured)
