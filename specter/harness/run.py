@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from specter.harness.artifacts import write_artifacts
 from specter.harness.config import ConfigError, resident_experts, validate
 from specter.harness.datasets import DatasetFormatError, PromptSet, expand_datasets, load_prompt_set
 from specter.harness.methods import build_method
@@ -136,5 +137,6 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
                 "output_digest": token_digest(gen.tokens), "seed": seed,
             }
             writer.append(row)
+            write_artifacts(out, {"dataset": ds, "prompt_index": i, "repeat": r}, gen.artifacts)
     finally:
         method.close()
