@@ -1,6 +1,7 @@
 """Specter: run one configuration and write its records.
 
-    python run.py                                     # tiny Qwen2-MoE, HumanEval, target-only
+    python run.py                                     # the default comparison (experiment=compare)
+    python run.py model=dsv2 memory=low               # Specter on DeepSeek-V2-Lite (GPU when visible)
     python run.py model=tiny_dsv2 method=specter memory=low dataset=gsm8k num_prompts=2
     python run.py experiment=main model=tiny_phi method=offload_ar hardware=emulated
     python run.py --help                              # every group and option

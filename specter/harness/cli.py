@@ -11,6 +11,8 @@ import sys
 
 from specter.harness.config import ConfigError
 
+DEFAULT_JOB = ("experiment=compare",)
+
 
 def main(argv: list[str]) -> int:
     """0 on success; 2 with one line on stderr for a user error; 130 when interrupted."""
@@ -18,6 +20,11 @@ def main(argv: list[str]) -> int:
     from specter.harness.errors import USER_ERRORS, composition_error, report
     from specter.harness.experiments import run_experiment
 
+    if not argv:  # the default job: the comparison the project exists for
+        print("specter: no arguments, running the default comparison (experiment=compare: target_only, "
+              "offload_ar and specter on a trained tiny model, low tier, emulated link); "
+              "`python run.py --help` lists every option", flush=True)
+        argv = list(DEFAULT_JOB)
     try:
         cfg = compose(argv)
     except Exception as err:  # noqa: BLE001 - Hydra/OmegaConf raise many types for a bad override
