@@ -1,24 +1,37 @@
-"""Time the INT4 draft MoE: reference vs fused backends vs an FP per-expert loop.
+"""Time the INT4 draft MoE backends side by side: the data of Figs. 10 (latency) and 11 (speedup).
 
-    python scripts/bench_draft_kernel.py                      # full grid, CSV to results/bench/draft_kernel.csv
+    python scripts/bench_draft_kernel.py                       # CPU: tiny grid + real expert shapes
     python scripts/bench_draft_kernel.py --quick --dtype float32 out.csv
+    python scripts/bench_draft_kernel.py --device cuda         # GPU: real shapes, decode and prefill T
+    python scripts/bench_draft_kernel.py out_marlin.csv --device cuda --dims --only marlin triton
 
-For every (H, I, E, k, T) it times, after warm-up, the median of `--reps` calls of:
-  reference  dequantize all experts + HF eager loop        (draft_moe_reference)
-  unfused    HF eager loop, dequantizing each active expert on use (draft_moe_unfused)
-  grouped    sort + dequantize active + grouped GEMM       (draft_moe_fused, backend="grouped")
-  int4mm     dense over active experts, torch CPU INT4 GEMM (backend="int4mm", prepared weights)
-  auto       whatever draft_moe_fused picks by default
-  fp_loop    HF eager loop on FP weights already in x.dtype (no quantization at all)
-and prints speedup ratios (reference / method, fp_loop / method). CUDA timings use events.
+Backends (one `<name>_ms` column each; NaN where a backend cannot run on the device):
+  reference      dequantize all experts + HF eager loop            (draft_moe_reference; small shapes only)
+  unfused        HF eager loop, dequantizing each active expert      (draft_moe_unfused): Fig. 11's baseline
+  grouped        sort + dequantize active experts + grouped GEMM     (draft_moe_fused backend="grouped")
+  int4mm         dense over active experts, torch's CPU INT4 GEMM    (backend="int4mm"; CPU only)
+  torch          what draft_kernel=torch runs                        (draft_moe_fused backend="auto")
+  triton         two fused Triton launches, INT4 unpacked in-kernel  (triton_moe.fused_moe_w4a16; CUDA only)
+  triton_kmajor  the same on N-contiguous weight storage             (triton_moe.kmajor_layout)
+  marlin         gptqmodel's Marlin GEMM per active expert           (marlin_moe; CUDA, --marlin or --only)
+  fp_loop        HF eager loop on FP weights in x.dtype: the FP16 baseline, no quantization
+
+Shapes: the tiny grid (H×I 128×128 and 512×512, E ∈ {16, 60, 64}, top-k ∈ {2, 4, 6}) and the
+real models' experts — DeepSeek-V2-Lite 2048×1408 (E 64, top-6), Qwen1.5-MoE 2048×1408 (E 60,
+top-4), Phi-3.5-MoE 4096×6400 (E 16, top-2) — at T ∈ {1, 4} on a CPU (--reps / 3 calls), and at
+decode and prefill T ∈ {1, 4, 16, 64, 256, 1024} on a GPU. Every time is the median of --reps
+calls after --warmup calls (CUDA: device events per call).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import math
+import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -29,15 +42,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specter.kernels.draft_moe import (DequantWorkspace, draft_moe_fused, draft_moe_reference,  # noqa: E402
                                        draft_moe_unfused, moe_eager_loop, prepare_int4mm)
-from specter.quant.int4 import quantize_rtn  # noqa: E402
+from specter.quant.int4 import Int4ExpertLayer, Int4Experts, default_group_size, quantize_rtn  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-METHODS = ("reference", "unfused", "grouped", "int4mm", "auto", "fp_loop")
+METHODS = ("reference", "unfused", "grouped", "int4mm", "torch", "triton", "triton_kmajor", "marlin", "fp_loop")
+# (numerator, denominator): "a/b" > 1 means b is faster than a
+RATIOS = (("unfused", "torch"), ("unfused", "triton"), ("fp_loop", "torch"), ("fp_loop", "triton"),
+          ("fp_loop", "int4mm"), ("marlin", "triton"))
+REAL_SHAPES = ((2048, 1408, 64, 6), (2048, 1408, 60, 4), (4096, 6400, 16, 2))  # (H, I, E, top-k) of the paper's models
+REFERENCE_MAX_WEIGHTS = 64 * 3 * 512 * 512  # the reference dequantizes every expert per call: small shapes only
+
+
+@dataclass(frozen=True)
+class Case:
+    h: int
+    i: int
+    e: int
+    k: int
+    tokens: tuple[int, ...]
+    reps: int
 
 
 def median_ms(fn: Callable[[], object], warmup: int, reps: int, device: torch.device) -> float:
     for _ in range(warmup):
         fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -54,80 +84,173 @@ def median_ms(fn: Callable[[], object], warmup: int, reps: int, device: torch.de
     return statistics.median(times)
 
 
-def bench_case(h: int, i: int, e: int, k: int, t: int, dtype: torch.dtype, device: torch.device,
-               warmup: int, reps: int, gen: torch.Generator, skip: set[str]) -> dict[str, float]:
-    gu_fp = torch.randn(e, 2 * i, h, generator=gen) / h**0.5  # [E, 2I, H]
-    dn_fp = torch.randn(e, h, i, generator=gen) / i**0.5  # [E, H, I]
-    gu, dn = quantize_rtn(gu_fp, 128).to(device), quantize_rtn(dn_fp, 128).to(device)
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    w, idx = torch.softmax(torch.randn(t, e, generator=gen), -1).topk(k, -1)  # [T, k]
-    w, idx = w.to(device, dtype), idx.to(device)
-    gu_d, dn_d = gu_fp.to(device, dtype), dn_fp.to(device, dtype)
+def available_methods(device: torch.device, dtype: torch.dtype, wanted: set[str]) -> dict[str, str]:
+    """method -> "" if it runs here, else why not (printed once)."""
+    from specter.kernels.select import triton_unavailable
+
+    why: dict[str, str] = {}
+    for m in wanted:
+        reason = None
+        if m == "int4mm" and device.type != "cpu":
+            reason = "torch's INT4 GEMM used here is CPU only"
+        elif m in ("triton", "triton_kmajor"):
+            reason = triton_unavailable(device, dtype)
+        elif m == "marlin":
+            from specter.kernels.marlin_moe import marlin_unavailable
+
+            reason = marlin_unavailable(device, dtype)
+        why[m] = reason or ""
+    return why
+
+
+def layer_weights(c: Case, gen: torch.Generator, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, Int4ExpertLayer]:
+    """Random FP experts on `device` and their RTN INT4 packing (quantized 8 experts at a time)."""
+    gu_fp = (torch.randn(c.e, 2 * c.i, c.h, generator=gen) / c.h**0.5).to(device)  # [E, 2I, H]
+    dn_fp = (torch.randn(c.e, c.h, c.i, generator=gen) / c.i**0.5).to(device)  # [E, H, I]
+
+    def pack(w: torch.Tensor) -> Int4Experts:
+        gs = default_group_size(w.shape[-1])
+        parts = [quantize_rtn(w[j:j + 8], gs) for j in range(0, w.shape[0], 8)]  # bounded temporaries
+        return Int4Experts(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), gs)
+
+    return gu_fp, dn_fp, Int4ExpertLayer(pack(gu_fp), pack(dn_fp))
+
+
+def bench_shape(c: Case, dtype: torch.dtype, device: torch.device, methods: set[str], warmup: int, reps: int,
+                gen: torch.Generator) -> list[dict[str, float]]:
+    """One weight set (H, I, E), every T: {method: median ms} per T."""
+    gu_fp, dn_fp, packed = layer_weights(c, gen, device)
+    gu, dn = packed.gate_up, packed.down
+    methods = set(methods)
+    if c.e * 3 * c.h * c.i > REFERENCE_MAX_WEIGHTS:
+        methods.discard("reference")
+    gu_d = dn_d = None
+    if "fp_loop" in methods:
+        gu_d, dn_d = gu_fp.to(device, dtype), dn_fp.to(device, dtype)
+    del gu_fp, dn_fp
+    prepared = prepare_int4mm(gu, dn, dtype) if {"int4mm", "torch"} & methods and device.type == "cpu" else None
+    kmajor = marlin = None
+    if "triton_kmajor" in methods:
+        from specter.kernels.triton_moe import kmajor_layout
+
+        kmajor = (kmajor_layout(gu), kmajor_layout(dn))
+    if "marlin" in methods:
+        from specter.kernels.marlin_moe import prepare_marlin
+
+        marlin = prepare_marlin(Int4ExpertLayer(gu, dn), dtype, device)
     ws = DequantWorkspace()
-    prepared = prepare_int4mm(gu, dn, dtype) if device.type == "cpu" else None
-    fns: dict[str, Callable[[], object]] = {
-        "reference": lambda: draft_moe_reference(x, idx, w, gu, dn, F.silu),
-        "unfused": lambda: draft_moe_unfused(x, idx, w, gu, dn, F.silu),
-        "grouped": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", workspace=ws),
-        "auto": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, prepared=prepared, workspace=ws),
-        "fp_loop": lambda: moe_eager_loop(x, idx, w, gu_d, dn_d, F.silu),
-    }
-    if prepared is not None:
-        fns["int4mm"] = lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="int4mm", prepared=prepared)
-    with torch.inference_mode():
-        # the reference dequantizes every expert: fewer repetitions keep the grid affordable
-        return {name: median_ms(fn, min(warmup, 1) if name == "reference" else warmup,
-                                max(3, reps // 5) if name == "reference" else reps, device)
-                for name, fn in fns.items() if name not in skip}
+    out = []
+    for t in c.tokens:
+        x = torch.randn(t, c.h, generator=gen).to(device, dtype)
+        w, idx = torch.softmax(torch.randn(t, c.e, generator=gen), -1).topk(c.k, -1)  # [T, k]
+        w, idx = w.to(device, dtype), idx.to(device)
+        fns: dict[str, Callable[[], object]] = {
+            "reference": lambda: draft_moe_reference(x, idx, w, gu, dn, F.silu),
+            "unfused": lambda: draft_moe_unfused(x, idx, w, gu, dn, F.silu),
+            "grouped": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", workspace=ws),
+            "torch": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, prepared=prepared, workspace=ws),
+            "fp_loop": lambda: moe_eager_loop(x, idx, w, gu_d, dn_d, F.silu),
+        }
+        if prepared is not None:
+            fns["int4mm"] = lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="int4mm", prepared=prepared)
+        if "triton" in methods or kmajor is not None:
+            from specter.kernels.triton_moe import fused_moe_w4a16
+
+            fns["triton"] = lambda: fused_moe_w4a16(x, idx, w, gu, dn, F.silu)
+            if kmajor is not None:
+                fns["triton_kmajor"] = lambda: fused_moe_w4a16(x, idx, w, *kmajor, F.silu)
+        if marlin is not None:
+            from specter.kernels.marlin_moe import marlin_moe
+
+            fns["marlin"] = lambda: marlin_moe(x, idx, w, marlin, F.silu)
+        row: dict[str, float] = {}
+        with torch.inference_mode():
+            for name, fn in fns.items():
+                if name not in methods:
+                    continue
+                slow = name == "reference"  # fewer repetitions keep the grid affordable
+                row[name] = median_ms(fn, min(warmup, 1) if slow else warmup, max(3, reps // 5) if slow else reps,
+                                      device)
+        out.append(row)
+    return out
 
 
-# (numerator, denominator): "a/b" > 1 means b is faster than a
-RATIOS = (("reference", "auto"), ("unfused", "auto"), ("unfused", "grouped"), ("fp_loop", "auto"),
-          ("fp_loop", "grouped"), ("fp_loop", "int4mm"))
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", nargs="?", default="results/bench/draft_kernel.csv", help="output CSV path")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="activation dtype (default: bfloat16 on CPU, float16 on CUDA as hardware=cuda)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="T of the tiny grid")
     ap.add_argument("--experts", type=int, nargs="+", default=[16, 60, 64])
     ap.add_argument("--topk", type=int, nargs="+", default=[2, 4, 6])
-    ap.add_argument("--dims", nargs="+", default=["128x128", "512x512"], help="HxI pairs")
+    ap.add_argument("--dims", nargs="*", default=None, help="HxI pairs of the tiny grid (default 128x128 512x512 "
+                    "on CPU, 128x128 on CUDA; none: real shapes only)")
+    ap.add_argument("--real-tokens", type=int, nargs="*", default=None,
+                    help="T at the real shapes (default: CPU 1 4, CUDA 1 4 16 64 256 1024; none: skip them)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (0: torch's default; 1 avoids OpenMP waits on shared machines)")
     ap.add_argument("--skip", nargs="*", default=[], choices=METHODS, help="methods not to time")
-    ap.add_argument("--quick", action="store_true", help="small grid: T in {1,8,64}, E=64, k in {2,6}")
+    ap.add_argument("--only", nargs="*", default=None, choices=METHODS, help="time only these methods")
+    ap.add_argument("--marlin", action="store_true",
+                    help="also time Marlin (CUDA; gptqmodel may compile its extension first, minutes)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small grid: T in {1,8,64}, E=64, k in {2,6}; on a CPU no real shapes")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.tokens, args.experts, args.topk = [1, 8, 64], [64], [2, 6]
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = DTYPES[args.dtype or ("float16" if cuda else "bfloat16")]
+    tokens = args.tokens or ([1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64])
+    dims = args.dims if args.dims is not None else (["128x128"] if cuda else ["128x128", "512x512"])
+    real_tokens = args.real_tokens
+    if real_tokens is None:
+        real_tokens = [] if args.quick and not cuda else ([1, 4, 16, 64, 256, 1024] if cuda else [1, 4])
+    experts, topk = ([64], [2, 6]) if args.quick else (args.experts, args.topk)
+    if cuda and not args.tokens and not args.quick:
+        experts, topk = [64], [6]  # on a GPU the tiny shapes are a sanity point, the real ones the data
     if args.threads:
         torch.set_num_threads(args.threads)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+
+    wanted = set(args.only) if args.only else set(METHODS) - set(args.skip) - ({"marlin"} if not args.marlin else set())
+    why = available_methods(device, dtype, wanted)
+    for m, reason in sorted(why.items()):
+        if reason:
+            print(f"skip {m}: {reason}")
+    methods = {m for m in wanted if not why[m]}
+
+    cases = [Case(*(int(v) for v in d.lower().split("x")), e, k, tuple(tokens), args.reps)
+             for d in dims for e in experts for k in topk if k <= e]
+    real_reps = args.reps if cuda else max(3, args.reps // 3)  # a real-shape call takes 0.01-2 s on a CPU
+    cases += [Case(h, i, e, k, tuple(real_tokens), real_reps) for h, i, e, k in REAL_SHAPES if real_tokens]
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} (median ms; ratios a/b > 1: b faster)")
-    print(f"{'H':>4} {'I':>4} {'E':>3} {'k':>2} {'T':>3} " + " ".join(f"{m:>9}" for m in METHODS) + " "
+    shown = [m for m in METHODS if m in methods]
+    print(f"device={device} ({device_name(device)}) dtype={dtype} threads={torch.get_num_threads()} "
+          "(median ms; ratios a/b > 1: b faster)")
+    print(f"{'H':>5} {'I':>5} {'E':>3} {'k':>2} {'T':>5} " + " ".join(f"{m[:9]:>9}" for m in shown) + " "
           + " ".join(f"{a[:5] + '/' + b[:6]:>13}" for a, b in RATIOS))
-    for dims in args.dims:
-        h, i = (int(v) for v in dims.lower().split("x"))
-        for e in args.experts:
-            for k in args.topk:
-                for t in args.tokens:
-                    ms = bench_case(h, i, e, k, t, dtype, device, args.warmup, args.reps, gen, set(args.skip))
-                    row: dict[str, object] = {"device": str(device), "dtype": args.dtype,
-                                              "threads": torch.get_num_threads(), "H": h, "I": i, "E": e, "k": k,
-                                              "T": t}
-                    row.update({f"{m}_ms": ms.get(m, float("nan")) for m in METHODS})
-                    ratios = [ms.get(a, float("nan")) / ms.get(b, float("nan")) for a, b in RATIOS]
-                    row.update({f"{a}_over_{b}": r for (a, b), r in zip(RATIOS, ratios)})
-                    rows.append(row)
-                    print(f"{h:>4} {i:>4} {e:>3} {k:>2} {t:>3} "
-                          + " ".join(f"{ms.get(m, float('nan')):>9.3f}" for m in METHODS) + " "
-                          + " ".join(f"{r:>13.2f}" for r in ratios), flush=True)
+    rows = []
+    for c in cases:
+        for t, ms in zip(c.tokens, bench_shape(c, dtype, device, methods, args.warmup, c.reps, gen)):
+            row: dict[str, object] = {"device": device.type, "device_name": device_name(device),
+                                      "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                                      "H": c.h, "I": c.i, "E": c.e, "k": c.k, "T": t}
+            row.update({f"{m}_ms": ms.get(m, math.nan) for m in METHODS})
+            ratios = [ms.get(a, math.nan) / ms.get(b, math.nan) for a, b in RATIOS]
+            row.update({f"{a}_over_{b}": r for (a, b), r in zip(RATIOS, ratios)})
+            rows.append(row)
+            print(f"{c.h:>5} {c.i:>5} {c.e:>3} {c.k:>2} {t:>5} " + " ".join(f"{ms.get(m, math.nan):>9.3f}" for m in shown)
+                  + " " + " ".join(f"{r:>13.2f}" for r in ratios), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
     out = Path(args.csv)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:

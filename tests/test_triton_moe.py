@@ -35,14 +35,16 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from specter.kernels import triton_moe  # noqa: E402
+
+if not torch.cuda.is_available() and not triton_moe.interpreting():  # triton's own jit helpers too: no reload
+    pytest.skip("triton was imported before this module set TRITON_INTERPRET=1 (run with TRITON_INTERPRET=1)",
+                allow_module_level=True)
+
 from specter.kernels.draft_moe import draft_moe_fused, moe_eager_loop  # noqa: E402
 from specter.kernels.triton_moe import (TritonMoEConfig, align_routes, fused_moe_w4a16,  # noqa: E402
                                         kmajor_layout, max_padded_rows)
 from specter.quant.int4 import Int4Experts, dequantize, quantize_rtn  # noqa: E402
 
-if not torch.cuda.is_available() and not triton_moe.interpreting():
-    pytest.skip("specter.kernels.triton_moe was imported before TRITON_INTERPRET=1 was set",
-                allow_module_level=True)
 DEVICE = torch.device("cpu" if triton_moe.interpreting() else "cuda")
 
 TOL = {  # dtype: (rtol, atol as a fraction of max|ref|, rel-L2)
