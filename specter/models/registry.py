@@ -61,6 +61,11 @@ def ensure_trained(name: str, root: Path | None = None, progress: bool = True) -
 
     path = tiny.tiny_dir(name, trained=True, root=root)
     rebuild = f"python -m initialization.train_tiny {name} (about {tiny_train.estimated_minutes(name):.0f} CPU minutes)"
+    if _has_weights(path):  # read-only check first: a shared, read-only cache works
+        problem = tiny_train.trained_problem(path)
+        if problem:
+            raise ModelUnavailable(f"the trained {name} in {path} cannot be used: {problem}. Rebuild it: {rebuild}")
+        return path
     with tiny.build_lock(path):
         if not _has_weights(path):
             print(f"specter: training {name} once for {tiny_train.DEFAULT_STEPS[name]} steps (about "

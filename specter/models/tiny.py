@@ -262,7 +262,10 @@ def tiny_problem(out: Path, name: str) -> str | None:
             return "its weights differ from the pinned checksum"
         from specter.paths import atomic_write_text
 
-        atomic_write_text(out / "specter_tiny.json", json.dumps({**marker, "files": file_sha256s(out)}, indent=1))
+        try:
+            atomic_write_text(out / "specter_tiny.json", json.dumps({**marker, "files": file_sha256s(out)}, indent=1))
+        except OSError:  # a read-only cache: check by loading again next time
+            pass
         return None
     actual = file_sha256s(out)
     if actual != files:
@@ -280,10 +283,12 @@ def ensure_tiny(name: str, root: Path | None = None, force: bool = False) -> Pat
     import sys
 
     out = tiny_dir(name, root=root)
+    if not force and (out / "specter_tiny.json").exists() and tiny_problem(out, name) is None:
+        return out  # intact: nothing written, no lock needed (a read-only cache works)
     with build_lock(out):
         if (out / "specter_tiny.json").exists() and not force:
             problem = tiny_problem(out, name)
-            if problem is None:
+            if problem is None:  # built meanwhile by another process
                 return out
             print(f"specter: rebuilding the tiny model {name} in {out}: {problem}", file=sys.stderr, flush=True)
         tmp = out.with_name(out.name + ".partial")

@@ -31,7 +31,8 @@ from specter.paths import atomic_write_text
 
 SEQ_LEN, BATCH, LR, WEIGHT_DECAY = 128, 8, 3e-3, 0.01
 CORPUS_BYTES = 3_000_000
-STEP_SECONDS = 0.25  # measured per step on one core of a 2-core CPU; used for the time estimate only
+# CPU seconds per step, measured on one core of a 2-core CPU; for the time estimate only
+STEP_SECONDS: dict[str, float] = {"tiny_dsv2": 0.25, "tiny_qwen": 0.25, "tiny_phi": 0.17}
 
 # Steps per model, chosen so one model trains in about 3 CPU minutes on one core of a 2-core CPU.
 DEFAULT_STEPS: dict[str, int] = {"tiny_dsv2": 640, "tiny_qwen": 640, "tiny_phi": 900}
@@ -67,7 +68,7 @@ class TrainingRejected(RuntimeError):
 
 def estimated_minutes(name: str) -> float:
     """Rough CPU minutes to train `name` with its default steps (for messages only)."""
-    return DEFAULT_STEPS[name] * STEP_SECONDS / 60 + 0.5
+    return DEFAULT_STEPS[name] * STEP_SECONDS[name] / 60 + 0.5
 
 
 def token_stream(tokenizer, max_bytes: int = CORPUS_BYTES) -> torch.Tensor:
