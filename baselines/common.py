@@ -9,7 +9,12 @@ same prompt, computed after the timed generation (`first_divergence`, `token_mat
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -93,49 +98,64 @@ def agreement(tokens: list[int], reference: list[int]) -> dict[str, Any]:
 class ReferenceTokens:
     """Greedy target-only tokens of a prompt (the plain transformers model, as `method=target_only` runs it).
 
-    The reference model lives in a separate process, started on first use and kept for the run, so
-    its memory never counts in the engine's peak RSS; each (prompt, length) is decoded once, after
-    the timed generation, so it never affects an engine's timing either.
+    The reference model lives in a separate process (`python -m baselines.common`, JSON lines over
+    its pipes), started on first use and kept for the run, so its memory never counts in the
+    engine's peak RSS; each (prompt, length) is decoded once, after the timed generation, so it never
+    affects an engine's timing either.
     """
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         device, dtype = device_and_dtype(cfg)
-        self.initargs = (str(checkpoint), str(dtype).removeprefix("torch."), str(device), cfg.hardware.get("threads"))
-        self.pool = None
+        threads = cfg.hardware.get("threads")
+        self.args = [str(checkpoint), str(dtype).removeprefix("torch."), str(device), str(threads or 1)]
+        self.proc: subprocess.Popen | None = None
         self.memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def __call__(self, prompt_ids: list[int], n: int) -> list[int]:
         key = (tuple(prompt_ids), n)
         if key not in self.memo:
-            if self.pool is None:
-                import multiprocessing
-                from concurrent.futures import ProcessPoolExecutor
-
-                self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_reference_init, initargs=self.initargs)
-            self.memo[key] = self.pool.submit(_reference_decode, list(prompt_ids), n).result()
+            if self.proc is None:
+                root = str(Path(__file__).resolve().parents[1])
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+                self.log = tempfile.TemporaryFile("w+")
+                self.proc = subprocess.Popen([sys.executable, "-m", "baselines.common", *self.args], cwd=root, env=env,
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            self.proc.stdin.write(json.dumps({"prompt": list(prompt_ids), "n": n}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                self.log.seek(0)
+                tail = "\n".join(self.log.read().splitlines()[-10:])
+                raise RuntimeError(f"the target-only reference process exited (status {self.proc.wait()}):\n{tail}")
+            self.memo[key] = json.loads(line)["tokens"]
         return self.memo[key]
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-            self.pool = None
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+            self.proc = None
 
 
-_REFERENCE: dict[str, Any] = {}  # the reference process's model and device
-
-
-def _reference_init(checkpoint: str, dtype: str, device: str, threads: int | None) -> None:
+def _reference_server(checkpoint: str, dtype: str, device: str, threads: str) -> None:
+    """The reference process: load the target once, answer {"prompt", "n"} lines with {"tokens"}."""
     from specter.models.loading import DTYPES, load_full_model
 
-    torch.set_num_threads(int(threads or 1))
-    _REFERENCE["device"] = torch.device(device)
-    _REFERENCE["model"] = load_full_model(Path(checkpoint), DTYPES[dtype], _REFERENCE["device"])
-
-
-def _reference_decode(prompt_ids: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt_ids], device=_REFERENCE["device"])  # [1, P]
-    return generate_autoregressive(_REFERENCE["model"], ids, n, SamplingParams())
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # library output goes to stderr, never into the replies
+    sys.stdout = sys.stderr
+    torch.set_num_threads(int(threads))
+    dev = torch.device(device)
+    model = load_full_model(Path(checkpoint), DTYPES[dtype], dev)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        ids = torch.tensor([msg["prompt"]], device=dev)  # [1, P]
+        replies.write(json.dumps({"tokens": generate_autoregressive(model, ids, int(msg["n"]), SamplingParams())}) + "\n")
 
 
 def reference_check_enabled(cfg: DictConfig, device: torch.device) -> bool:
@@ -167,3 +187,7 @@ def checkpoint_bytes(checkpoint: Path, dtype: torch.dtype) -> int:
                     n *= int(d)
                 total += n * itemsize
     return total
+
+
+if __name__ == "__main__":
+    _reference_server(*sys.argv[1:5])

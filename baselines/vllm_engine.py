@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from baselines.common import (EngineUnavailable, ReferenceTokens, agreement, checkpoint_bytes,
                               reference_check_enabled, seed_of)
+from specter.harness.config import ConfigError
 from specter.harness.methods import Generation, Method
 from specter.harness.runtime import budget_bytes
 from specter.metrics import CommitClock
@@ -56,6 +57,67 @@ class WorkerError(RuntimeError):
     """The vLLM worker failed; the message carries its error and the tail of its log."""
 
 
+class UnsupportedByVllm(ConfigError):
+    """vLLM cannot run this checkpoint (its kernels lack a shape the model needs)."""
+
+
+def vllm_checkpoint(checkpoint: Path, label: str) -> Path:
+    """The checkpoint as vLLM's model classes expect it.
+
+    vLLM's PhiMoE always has attention and lm_head biases (as Phi-3.5-MoE does) and leaves absent
+    ones uninitialised; a checkpoint without them means zeros. For such a checkpoint this returns a
+    folder under $SPECTER_HOME/vllm (keyed by the weights' digest) that links the original files and
+    adds the zeros in one more safetensors file; any other checkpoint is returned as it is.
+    """
+    from safetensors import safe_open
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config["model_type"] != "phimoe":
+        return checkpoint
+    files = sorted(checkpoint.glob("*.safetensors"))
+    names, dtype = set(), None
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+            dtype = dtype or f.get_tensor(next(iter(f.keys()))).dtype
+    H, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or H // heads
+    sizes = {"q_proj": heads * head_dim, "k_proj": kv * head_dim, "v_proj": kv * head_dim, "o_proj": H}
+    wanted = {f"model.layers.{i}.self_attn.{proj}.bias": n
+              for i in range(config["num_hidden_layers"]) for proj, n in sizes.items()}
+    wanted["lm_head.bias"] = config["vocab_size"]
+    missing = {k: n for k, n in wanted.items() if k not in names}
+    if not missing:
+        return checkpoint
+    from specter.models.registry import checkpoint_digest
+
+    view = specter_home() / "vllm" / f"{label}-{checkpoint_digest(checkpoint)[:12]}"
+    if (view / "zero-biases.safetensors").exists():
+        return view
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{view.name}.", dir=view.parent if view.parent.exists() else None))
+    for item in checkpoint.iterdir():
+        if item.is_file() and not item.name.startswith("."):
+            (tmp / item.name).symlink_to(item.resolve())
+    save_file({k: torch.zeros(n, dtype=dtype) for k, n in missing.items()}, str(tmp / "zero-biases.safetensors"))
+    index = checkpoint / "model.safetensors.index.json"
+    if index.exists():  # a sharded checkpoint: the index must list the new tensors too
+        spec = json.loads(index.read_text())
+        spec["weight_map"].update({k: "zero-biases.safetensors" for k in missing})
+        (tmp / index.name).unlink()
+        (tmp / index.name).write_text(json.dumps(spec, indent=1))
+    view.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(view)  # atomic: a half-built view is never used
+    except OSError:  # built meanwhile by another run
+        shutil.rmtree(tmp, ignore_errors=True)
+    return view
+
+
 class Vllm(Method):
     """vLLM's engine in a worker process; per-token stamps come back over the pipe."""
 
@@ -73,7 +135,8 @@ class Vllm(Method):
                 full = checkpoint_bytes(checkpoint, self.dtype)
                 self.budget = budget_bytes(cfg, full)
                 self.cpu_offload_gb = max(0, full - self.budget) / GIB
-        self.log_path = Path(tempfile.mkstemp(prefix="vllm-worker-", suffix=".log")[1])
+        self.workdir = Path(tempfile.mkdtemp(prefix="specter-vllm-"))  # an empty cwd: nothing there shadows a module
+        self.log_path = self.workdir / "worker.log"
         env = dict(os.environ, PYTHONNOUSERSITE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         env.pop("PYTHONPATH", None)  # the worker must see only its own environment's packages
         if self.device.type == "cpu":
@@ -84,10 +147,10 @@ class Vllm(Method):
                 env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, cwd=tempfile.gettempdir())
+                                     stderr=self.log, text=True, env=env, cwd=self.workdir)
         try:
             self.info = self._call({
-                "op": "load", "model": str(checkpoint), "dtype": str(self.dtype).removeprefix("torch."),
+                "op": "load", "model": str(vllm_checkpoint(Path(checkpoint), cfg.model.name)), "dtype": str(self.dtype).removeprefix("torch."),
                 "max_model_len": cfg.prefix_tokens + max(cfg.max_new_tokens, cfg.warmup_tokens) + 1,
                 "seed": int(cfg.seed), "cpu_offload_gb": float(self.cpu_offload_gb),
                 "gpu_memory_utilization": float(m.gpu_memory_utilization), "enforce_eager": bool(m.enforce_eager),
@@ -111,6 +174,8 @@ class Vllm(Method):
             what = f"exited (status {status})" if status is not None else f"did not answer {msg['op']!r} in {timeout:.0f} s"
             raise WorkerError(f"the vLLM worker {what}{self._log_tail()}")
         reply = json.loads(line)
+        if reply.get("unsupported"):
+            raise UnsupportedByVllm(f"method=vllm cannot run {self.cfg.model.name}: {reply.get('error')}")
         if not reply.get("ok"):
             raise WorkerError(f"vLLM failed at {msg['op']!r}: {reply.get('error')}{self._log_tail()}")
         return reply

@@ -15,7 +15,8 @@ Specter, whose transformers is newer than vLLM allows. Requests, one per line:
 `stamps` are seconds since the request was handed to the engine, one per engine step that produced
 tokens (`counts` of them); the engine core runs in this process (no extra process between the
 step loop and the model), so a stamp is when the token left vLLM. End of sequence never stops a
-request (`ignore_eos`). Errors answer {"ok": false, "error": "..."}.
+request (`ignore_eos`). Errors answer {"ok": false, "error": "...", "unsupported": bool}; `unsupported`
+marks a checkpoint vLLM cannot run at all (e.g. an MLA head size its kernels lack).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Worker:
         from vllm.platforms import current_platform
 
         self.cuda = current_platform.is_cuda_alike()
+        _check_supported(msg["model"])
         overrides = _architecture_override(msg["model"])
         args = EngineArgs(
             model=msg["model"], skip_tokenizer_init=True, dtype=msg["dtype"], max_model_len=int(msg["max_model_len"]),
@@ -117,6 +119,23 @@ def _config(model: str) -> dict[str, Any]:
         return json.load(f)
 
 
+class Unsupported(ValueError):
+    """vLLM cannot run this checkpoint at all (not a numerical difference): the harness says so in one line."""
+
+
+def _check_supported(model: str) -> None:
+    """Refuse, before loading, what vLLM's kernels reject only at the first request."""
+    config = _config(model)
+    if config.get("model_type") == "deepseek_v2" and config.get("kv_lora_rank"):
+        from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
+
+        head = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+        sizes = MLACommonBackend.get_supported_head_sizes()
+        if head not in sizes:
+            raise Unsupported(f"vLLM's MLA attention takes kv_lora_rank + qk_rope_head_dim in {sizes}; this "
+                              f"checkpoint has {head} (DeepSeek-V2-Lite: 512 + 64 = 576)")
+
+
 def _architecture_override(model: str) -> dict[str, Any] | None:
     """vLLM's spelling of the checkpoint's architecture where it differs only in case (PhimoeForCausalLM)."""
     from vllm import ModelRegistry
@@ -146,7 +165,8 @@ def main() -> int:
                 {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as err:  # noqa: BLE001 - every failure is reported to the harness, which raises it
             traceback.print_exc(file=sys.stderr)
-            reply = {"ok": False, "error": f"{type(err).__name__}: {err}".splitlines()[0][:2000]}
+            reply = {"ok": False, "error": f"{type(err).__name__}: {err}".splitlines()[0][:2000],
+                     "unsupported": isinstance(err, Unsupported)}
         protocol.write(json.dumps(reply) + "\n")
     return 0
 

