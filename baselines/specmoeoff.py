@@ -35,6 +35,7 @@ from specter.moe import MoERuntime
 from specter.offload.budget import Footprint
 from specter.offload.runtime import Runtime
 from specter.predict.planner import PlannerConfig, PrefetchPlanner
+from specter.kernels.select import select_draft_kernel
 from specter.quant.draft import build_draft, draft_forward
 from specter.speculative.batch_state import BatchKV
 from specter.speculative.batched import BatchedSpeculativeEngine
@@ -188,7 +189,9 @@ class SpecMoEOff(Specter):
         self.rt = build_runtime(cfg, checkpoint, K=self.K, resident=preset)
         try:
             packed, self.draft_info = gptq_draft_for(cfg, self.rt, checkpoint) if self.quant == "gptq" else (None, {})
-            experts = build_draft(self.rt.om, self.quant, self.device, self.dtype, packed_layers=packed)
+            self.kernel_choice = select_draft_kernel(cfg.hardware.draft_kernel, self.device, self.dtype)
+            experts = build_draft(self.rt.om, self.quant, self.device, self.dtype, packed_layers=packed,
+                                  kernel=self.kernel_choice.selected)
             self.draft_bytes = sum(d.nbytes for d in experts.values())
             fp = self.rt.footprint
             # The draft's own copy of every non-expert tensor, its KV for the same positions, its scratch.

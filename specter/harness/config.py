@@ -7,6 +7,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.datasets import DATASETS
+from specter.kernels.select import KERNELS as DRAFT_KERNELS
 from specter.models.loading import DTYPES
 from specter.moe import SCHEDULES
 from specter.offload.link import LINK_KINDS
@@ -64,6 +65,7 @@ def validate(cfg: DictConfig) -> None:
     _choice("dataset.name", cfg.dataset.name, (*DATASETS, "all"))
     _choice("hardware.link", cfg.hardware.link, LINK_KINDS)
     _choice("hardware.dtype", cfg.hardware.dtype, tuple(DTYPES))
+    _choice("hardware.draft_kernel", cfg.hardware.get("draft_kernel", "auto"), ("auto", *DRAFT_KERNELS))
     hw = cfg.hardware
     _require(hw.threads is None or hw.threads >= 1, f"hardware.threads must be >= 1 (or null), got {hw.threads}")
     _require(hw.bandwidth_gbps is None or hw.bandwidth_gbps > 0,

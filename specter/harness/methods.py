@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, effective_K
 from specter.harness.runtime import build_runtime, device_and_dtype, gptq_draft_for, resize_cache
+from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
@@ -176,7 +177,9 @@ class Specter(Method):
         try:
             if self.quant == "gptq":
                 packed, self.draft_info = gptq_draft_for(cfg, self.rt, checkpoint)
-            self.draft = build_draft(self.rt.om, self.quant, self.device, self.dtype, packed_layers=packed)
+            self.kernel_choice = select_draft_kernel(cfg.hardware.draft_kernel, self.device, self.dtype)
+            self.draft = build_draft(self.rt.om, self.quant, self.device, self.dtype, packed_layers=packed,
+                                     kernel=self.kernel_choice.selected)
         except BaseException:
             self.rt.close()
             raise
@@ -284,6 +287,7 @@ class Specter(Method):
 
     def environment(self) -> dict[str, Any]:
         return {**self.rt.environment(), "K": self.K, "draft_quant": self.quant, "draft_bytes": self.draft_bytes,
+                "draft_kernel": self.kernel_choice.as_dict(),
                 "planner_state": self.engine.planner_state, **self.draft_info}
 
     def close(self) -> None:

@@ -8,9 +8,10 @@ its packed expert weights. `quant=rtn` (round-to-nearest, fast, for tests) or `q
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 import torch
 
-from specter.kernels.draft_moe import DequantWorkspace, Int4mmWeights, draft_moe_fused, prepare_int4mm
+from specter.kernels.draft_moe import DequantWorkspace, Int4mmWeights, choose_backend, draft_moe_fused, prepare_int4mm
 from specter.quant.int4 import Int4ExpertLayer, default_group_size, quantize_rtn
 
 QUANT_METHODS = ("rtn", "gptq")
@@ -21,25 +22,31 @@ class DraftExperts:
     """One MoE layer's draft experts, resident on the device in exactly one INT4 layout.
 
     On the CPU the packed GPTQ-style tensors are repacked once into torch's int4mm layout and
-    then dropped (the draft decodes one token per step, the int4mm regime); elsewhere the packed
-    layout feeds the grouped dequantize-and-multiply path.
+    then dropped (the draft decodes one token per step, the int4mm regime). On a GPU the packed
+    layout feeds `kernel`: the fused Triton W4A16 MoE ("triton"), the grouped dequantize-and-multiply
+    path ("torch"), or per-expert Marlin GEMMs ("marlin", repacked once; packed then dropped).
     """
 
     packed: Int4ExpertLayer | None
     prepared: Int4mmWeights | None
     method: str = "rtn"
     workspace: DequantWorkspace | None = None
+    kernel: str = "torch"  # "torch" | "triton" | "marlin" (see specter.kernels.select)
+    marlin: Any = None  # specter.kernels.marlin_moe.MarlinExperts when kernel == "marlin"
 
     @property
     def nbytes(self) -> int:
-        return (self.packed.nbytes if self.packed is not None else 0) + (
-            self.prepared.nbytes if self.prepared is not None else 0)
+        return sum(part.nbytes for part in (self.packed, self.prepared, self.marlin) if part is not None)
 
 
 def draft_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, d: DraftExperts, act_fn) -> torch.Tensor:
     """The fused multi-expert draft MoE for one layer: x [T,H] -> [T,H]."""
     if d.packed is None:
-        return draft_moe_fused(x, topk_idx, topk_w, None, None, act_fn, backend="int4mm", prepared=d.prepared)
+        # One token (a B=1 draft step): int4mm. Several (a batched draft step): int4mm while its
+        # T·A work stays small for the dtype, else the grouped path on the same int4mm layout.
+        many = x.shape[0] > 1 and choose_backend(x, topk_idx, d.prepared) != "int4mm"
+        return draft_moe_fused(x, topk_idx, topk_w, None, None, act_fn, backend="grouped" if many else "int4mm",
+                               prepared=d.prepared)
     return draft_moe_fused(x, topk_idx, topk_w, d.packed.gate_up, d.packed.down, act_fn,
                            prepared=d.prepared, workspace=d.workspace)
 
@@ -59,8 +66,10 @@ def quantize_layer_rtn(gate_up: torch.Tensor, down: torch.Tensor, group_size: in
 
 
 def build_draft(om, quant: str, device: torch.device, dtype: torch.dtype, group_size: int = 128,
-                packed_layers: dict[int, Int4ExpertLayer] | None = None) -> dict[int, DraftExperts]:
-    """Place every MoE layer's INT4 experts on the device: given (e.g. GPTQ) or quantized here (RTN)."""
+                packed_layers: dict[int, Int4ExpertLayer] | None = None, kernel: str = "torch") -> dict[int, DraftExperts]:
+    """Place every MoE layer's INT4 experts on the device: given (e.g. GPTQ) or quantized here (RTN).
+
+    `kernel` (GPU only; see `specter.kernels.select.select_draft_kernel`) picks the layout kept."""
     if quant not in QUANT_METHODS:
         raise ValueError(f"unknown draft quantization {quant!r}; choose one of {QUANT_METHODS}")
     if quant == "gptq" and packed_layers is None:
@@ -74,6 +83,10 @@ def build_draft(om, quant: str, device: torch.device, dtype: torch.dtype, group_
         packed = Int4ExpertLayer(packed.gate_up.to(device), packed.down.to(device))
         if device.type == "cpu":
             draft[layer] = DraftExperts(None, prepare_int4mm(packed.gate_up, packed.down, dtype), quant)
+        elif kernel == "marlin":
+            from specter.kernels.marlin_moe import prepare_marlin
+
+            draft[layer] = DraftExperts(None, None, quant, kernel="marlin", marlin=prepare_marlin(packed, dtype, device))
         else:
-            draft[layer] = DraftExperts(packed, None, quant)
+            draft[layer] = DraftExperts(packed, None, quant, kernel=kernel)
     return draft
