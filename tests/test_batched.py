@@ -4,6 +4,7 @@ one expert load per step serves the whole batch; requests join and leave; experi
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -333,3 +334,34 @@ def test_batched_specmoeoff_equals_b1_greedy(tiny_checkpoint, reference):
         assert fp4.draft_experts - fp1.draft_experts == 3 * (method.draft_extra["kv_cache"] + method.draft_extra["scratch"])
     finally:
         method.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_draft_step_kernel_matches_reference(dtype):
+    """A batched draft step (T > 1) on the CPU's int4mm layout runs the grouped path on weights
+    dequantized from that layout: exactly the packed weights, and the reference MoE's output."""
+    from specter.kernels.draft_moe import dequantize_int4pack, draft_moe_reference, prepare_int4mm
+    from specter.quant.draft import DraftExperts, draft_forward
+    from specter.quant.int4 import dequantize, quantize_rtn
+
+    E, H, I, k = 16, 128, 128, 4
+    g = torch.Generator().manual_seed(0)
+    gate_up = quantize_rtn(torch.randn(E, 2 * I, H, generator=g) * 0.05, 128)
+    down = quantize_rtn(torch.randn(E, H, I, generator=g) * 0.05, 128)
+    prepared = prepare_int4mm(gate_up, down, dtype)
+    some = torch.tensor([5, 0, 15])
+    for packed, w, sz, gs in ((gate_up, prepared.gate_up, prepared.gate_up_sz, prepared.group_size_gu),
+                              (down, prepared.down, prepared.down_sz, prepared.group_size_dn)):
+        got = dequantize_int4pack(w.index_select(0, some), sz.index_select(0, some), gs, prepared.block_n, torch.float32)
+        scaled_as_prepared = replace(packed, scales=packed.scales.to(dtype))  # the layout keeps scales in `dtype`
+        assert torch.equal(got, dequantize(scaled_as_prepared, torch.float32, some))
+    draft = DraftExperts(None, prepared, "rtn")
+    act = torch.nn.functional.silu
+    for T in (1, 2, 9, 40):
+        x = torch.randn(T, H, generator=g).to(dtype)
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        w = torch.rand(T, k, generator=g)
+        ref = draft_moe_reference(x, idx, w, gate_up, down, act).float()
+        out = draft_forward(x, idx, w, draft, act).float()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert ((out - ref).norm() / ref.norm()).item() < tol, T
