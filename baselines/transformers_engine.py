@@ -62,9 +62,6 @@ class TransformersEngine(Method):
             self.model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).eval()
         else:
             self.model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).to(self.device).eval()
-        self.input_device = self.model.get_input_embeddings().weight.device
-        if self.input_device.type == "meta" or self.input_device.type == "cpu" and self.device.type == "cuda":
-            self.input_device = self.device  # accelerate moves inputs to the first module's execution device
         self.peak = PeakMemory(self.device)
         self.reference = ReferenceTokens(cfg, checkpoint) if reference_check_enabled(cfg, self.device) else None
 
@@ -78,7 +75,7 @@ class TransformersEngine(Method):
             kwargs.update(do_sample=True, temperature=self.params.temperature, top_p=self.params.top_p,
                           top_k=self.params.top_k)
             torch.manual_seed(seed_of(generator))  # transformers samples from torch's global generator
-        ids = prompt_ids.to(self.input_device)  # [1, P]
+        ids = prompt_ids.to(self.device)  # [1, P]; accelerate's hooks run offloaded modules on this device too
         self.peak.reset()
         clock.start()
         with torch.inference_mode():

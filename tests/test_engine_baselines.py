@@ -225,6 +225,19 @@ def test_llamacpp_phimoe_runs_and_says_tokens_are_not_comparable(tiny_checkpoint
 
 @pytest.mark.llamacpp
 @needs_llamacpp
+def test_llamacpp_sampling_follows_the_record_seed(tiny_checkpoint):
+    ckpt = tiny_checkpoint("tiny_qwen")
+    method = engine("llamacpp", "tiny_qwen", ckpt, "temperature=1.0")
+    try:
+        prompt = prompts(ckpt)[0]
+        a, b, c = (method.generate(prompt, 24, make_generator("cpu", s)).tokens for s in (7, 7, 8))
+        assert a == b and a != c
+    finally:
+        method.close()
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
 def test_llamacpp_run_writes_records(tmp_path, tiny_checkpoint):
     tiny_checkpoint("tiny_dsv2")
     out = tmp_path / "run"
