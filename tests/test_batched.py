@@ -9,15 +9,19 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 import torch
+from conftest import FIXTURES, TINY_MODELS, compose
 from transformers import DynamicCache
 
-from conftest import FIXTURES, TINY_MODELS, compose
 from specter.harness.methods import build_method
 from specter.models.loading import load_full_model
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.batch_state import BatchKV
-from specter.speculative.batched import (BatchedAutoregressive, BatchedSpeculativeEngine, greedy_verify_batch,
-                                         padding_filter)
+from specter.speculative.batched import (
+    BatchedAutoregressive,
+    BatchedSpeculativeEngine,
+    greedy_verify_batch,
+    padding_filter,
+)
 from specter.speculative.engine import SpeculativeEngine
 from specter.speculative.sampling import SamplingParams, greedy_verify
 
@@ -275,14 +279,19 @@ def test_padding_filter_sends_padded_tokens_to_no_expert():
 
 # ---------------------------------------------------------------------------------- experiment=batch
 def test_batch_experiment_writes_records_and_refuses_what_does_not_fit(tmp_path, tiny_checkpoint):
-    from specter.harness.batch import BATCH_COLUMNS, footprint_at, largest_batch, run_batch
+    from specter.harness.batch import (
+        BATCH_COLUMNS,
+        footprint_at,
+        largest_batch,
+        run_batch,
+    )
 
     tiny_checkpoint("tiny_dsv2")
     out = tmp_path / "batch"
     args = ["experiment=batch", "model=tiny_dsv2", "memory=low", "method.quant=rtn", "hardware=emulated",
             "hardware.bandwidth_gbps=20", "hardware.latency_us=5", "dataset=humaneval", "num_prompts=2",
             "max_new_tokens=8", "warmup_tokens=2", "progress=false", f"assets_dir={FIXTURES / 'datasets'}",
-            "allow_hub=false", "batch.sizes=[1,2]"]
+            "allow_hub=false", "batch.sizes=[1,2]", "method.staging_buffers=0"]
     run_batch(compose([*args, f"output_dir={out}"]))
     digests = {}
     for B in (1, 2):
@@ -340,7 +349,11 @@ def test_batched_specmoeoff_equals_b1_greedy(tiny_checkpoint, reference):
 def test_batched_draft_step_kernel_matches_reference(dtype):
     """A batched draft step (T > 1) on the CPU's int4mm layout runs the grouped path on weights
     dequantized from that layout: exactly the packed weights, and the reference MoE's output."""
-    from specter.kernels.draft_moe import dequantize_int4pack, draft_moe_reference, prepare_int4mm
+    from specter.kernels.draft_moe import (
+        dequantize_int4pack,
+        draft_moe_reference,
+        prepare_int4mm,
+    )
     from specter.quant.draft import DraftExperts, draft_forward
     from specter.quant.int4 import dequantize, quantize_rtn
 
@@ -365,3 +378,21 @@ def test_batched_draft_step_kernel_matches_reference(dtype):
         out = draft_forward(x, idx, w, draft, act).float()
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert ((out - ref).norm() / ref.norm()).item() < tol, T
+
+
+def test_staging_buffers_leave_room_for_the_largest_batch(tiny_checkpoint):
+    """Specter fills the tier's headroom with staging buffers; under experiment=batch it leaves the KV
+    cache and scratch of the largest batch size that fits, so every size runs on one device layout."""
+    from specter.harness.batch import footprint_at
+
+    tiny_checkpoint("tiny_dsv2")
+    base = ["model=tiny_dsv2", "memory=high", "method=specter", "method.quant=rtn", "hardware=emulated",
+            "hardware.bandwidth_gbps=20", "hardware.latency_us=5"]
+    single = build_method(compose(base), tiny_checkpoint("tiny_dsv2"))
+    batched = build_method(compose([*base, "experiment=batch", "batch.sizes=[1,32]"]), tiny_checkpoint("tiny_dsv2"))
+    try:
+        assert single.rt.cache.staging > batched.rt.cache.staging
+        assert footprint_at(batched, 32).total <= batched.rt.budget_bytes < footprint_at(single, 32).total
+    finally:
+        single.close()
+        batched.close()

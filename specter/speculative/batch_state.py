@@ -193,7 +193,7 @@ class BatchKV:
         if self.holes() > self.max_holes:
             self.compact()
 
-    def merge(self, other: "BatchKV") -> None:
+    def merge(self, other: BatchKV) -> None:
         """Append the rows of ``other`` (new requests after their prefill); the shorter side is left-padded."""
         if self.pending or other.pending:
             raise RuntimeError("merge() with pending columns")

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -34,7 +35,12 @@ from specter.offload.store import ExpertUID
 from specter.predict.oracle import oracle_bytes
 from specter.speculative.batch_state import BatchKV, Request
 from specter.speculative.engine import SpeculativeEngine, WindowTrace, acceptance_stats
-from specter.speculative.sampling import SamplingParams, draft_next, next_token, verify_window
+from specter.speculative.sampling import (
+    SamplingParams,
+    draft_next,
+    next_token,
+    verify_window,
+)
 
 ExpertFilter = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -110,13 +116,7 @@ class BatchLoop:
     params: SamplingParams
     device: torch.device
 
-    def _init_batch(self, max_holes: int = 0) -> None:
-        self.max_holes = max_holes
-        self.kv = BatchKV(self.model.config, self.device, max_holes)
-        self.active: list[Request] = []
-        self.queue: list[tuple[Request, torch.Tensor]] = []
-        self.submitted: list[Request] = []
-        self._next_rid = 0
+    max_holes: int = 0  # rejected KV columns kept masked before a compaction (see BatchKV)
 
     def submit(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
                rid: int | None = None) -> Request:
@@ -165,7 +165,11 @@ class BatchLoop:
     # -- hooks --------------------------------------------------------------------------------
     def begin_run(self) -> None:
         """Fresh batch state (the caller resets the expert cache outside timing)."""
-        self._init_batch(self.max_holes)
+        self.kv = BatchKV(self.model.config, self.device, self.max_holes)
+        self.active: list[Request] = []
+        self.queue: list[tuple[Request, torch.Tensor]] = []
+        self.submitted: list[Request] = []
+        self._next_rid = 0
 
     def batch_stats(self) -> dict[str, Any]:
         """Batch-level columns of the run since `begin_run` (I/O, working set, iterations)."""
@@ -194,7 +198,8 @@ class BatchLoop:
         ids, positions, mask = fresh.prefill_inputs([p for _, p in entering], pad)  # [B_new, P] each
         token_valid = mask.bool() if not bool(mask.all()) else None
         # the forward appends P columns to the fresh cache, all covered by its `valid`
-        logits = self._forward_batch(ids, positions, mask, "prefill", token_valid=token_valid, cache=fresh.cache)[:, -1]  # [B_new, V]
+        logits = self._forward_batch(ids, positions, mask, "prefill", token_valid=token_valid,
+                                     cache=fresh.cache)[:, -1]  # [B_new, V]
         for b, (req, _) in enumerate(entering):
             req.tokens = [next_token(logits[b], self.params, req.generator)]
             req.clock.commit(1)
@@ -256,7 +261,7 @@ class BatchedAutoregressive(BatchLoop):
         self.model, self.params, self.moe = model, params, moe
         self.device = next(model.parameters()).device
         self.num_experts = num_experts
-        self._init_batch(max_holes)
+        self.max_holes = max_holes
         self.begin_run()
 
     def begin_run(self) -> None:
@@ -310,7 +315,7 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
                  planner_state="warm", expert_filter: ExpertFilter | None = None, max_holes: int = 0):
         SpeculativeEngine.__init__(self, rt, K, params, prefetch, planner_config, planner_state, expert_filter)
         self.num_experts = rt.om.num_experts
-        self._init_batch(max_holes)
+        self.max_holes = max_holes
         self.begin_run()
 
     # -- run state ------------------------------------------------------------------------------
