@@ -216,7 +216,8 @@ def run_batch(cfg: DictConfig) -> Path:
         status = _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo)
     else:
         print(f"{root}: every batch size is already measured; nothing to run.")
-    return _summarize(root, sizes, status)
+    base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
+    return _summarize(root, sizes, status, base)
 
 
 def _finished(path: Path, dataset: str, repeat: int) -> bool:
@@ -245,9 +246,10 @@ def _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo: dict[int, list[tupl
                 print(f"specter: batch size refused: {why}", flush=True)
             else:
                 fits.append(B)
+        fits = [B for B in fits if todo[B]]
         if not fits:
             return status
-        first_ds = next(ds for B in fits for ds, _ in todo[B])
+        first_ds = todo[fits[0]][0][0]
         if cfg.warmup_tokens > 0:  # outside timing, at the largest batch that runs
             n = max(fits)
             method.generate_batch([torch.tensor(p, device=device) for p in prompt_ids[first_ds][:n]], cfg.warmup_tokens,
@@ -256,8 +258,6 @@ def _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo: dict[int, list[tupl
         static = {"hardware": cfg.hardware.name, **method.static_fields()}
         base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
         for B in fits:
-            if not todo[B]:
-                continue
             sub = size_config(cfg, B)
             with run_folder(sub, provenance_of(prompt_sets)) as out:
                 records = RecordWriter(out / "records.csv")
@@ -311,7 +311,7 @@ def _request_row(base, static, texts, ds, repeat, B, req, seed_base) -> dict[str
     }
 
 
-def _summarize(root: Path, sizes: list[int], status: dict[int, str]) -> Path:
+def _summarize(root: Path, sizes: list[int], status: dict[int, str], base: dict[str, str]) -> Path:
     """batch_summary.csv: every size's batch.csv rows (averaged over repeats), plus refused sizes."""
     import pandas as pd
 
@@ -323,7 +323,7 @@ def _summarize(root: Path, sizes: list[int], status: dict[int, str]) -> Path:
             if not df.empty:
                 frames.append(df.assign(status="measured"))
         elif status.get(B, "").startswith("refused"):
-            frames.append(pd.DataFrame([{"batch_size": B, "status": status[B]}]))
+            frames.append(pd.DataFrame([{**base, "batch_size": B, "status": status[B]}]))
     root.mkdir(parents=True, exist_ok=True)
     if not frames:
         print(f"{root}: no batch size could run")
