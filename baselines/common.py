@@ -15,8 +15,9 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -117,7 +118,7 @@ class ReferenceTokens:
             if self.proc is None:
                 root = str(Path(__file__).resolve().parents[1])
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-                self.log = tempfile.TemporaryFile("w+")
+                self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the process
                 self.proc = subprocess.Popen([sys.executable, "-m", "baselines.common", *self.args], cwd=root, env=env,
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
             self.proc.stdin.write(json.dumps({"prompt": list(prompt_ids), "n": n}) + "\n")
@@ -158,6 +159,13 @@ def _reference_server(checkpoint: str, dtype: str, device: str, threads: str) ->
         replies.write(json.dumps({"tokens": generate_autoregressive(model, ids, int(msg["n"]), SamplingParams())}) + "\n")
 
 
+def require_real_hardware(cfg: DictConfig) -> None:
+    """Engines place and move weights themselves: an emulated link would not be what they measure."""
+    if cfg.hardware.get("link") == "emulated":
+        raise ConfigError(f"method={cfg.method.name} runs its engine's own weight placement; hardware=emulated's "
+                          f"link does not apply to it: use hardware=cpu (or hardware=cuda)")
+
+
 def reference_check_enabled(cfg: DictConfig, device: torch.device) -> bool:
     """`method.reference_check`, where null means on for CPU runs and off on CUDA.
 
@@ -181,7 +189,7 @@ def checkpoint_bytes(checkpoint: Path, dtype: torch.dtype) -> int:
     total = 0
     for file in sorted(Path(checkpoint).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 n = 1
                 for d in f.get_slice(key).get_shape():
                     n *= int(d)

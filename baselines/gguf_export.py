@@ -27,9 +27,10 @@ import argparse
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,7 +76,7 @@ class _Weights:
             raise ExportError(f"no *.safetensors files in {checkpoint}")
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     self.where[key] = file
                     self.shapes[key] = tuple(f.get_slice(key).get_shape())
 

@@ -26,8 +26,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from baselines.common import (EngineUnavailable, PeakMemory, ReferenceTokens, agreement, reference_check_enabled,
-                              seed_of)
+from baselines.common import (
+    EngineUnavailable,
+    PeakMemory,
+    ReferenceTokens,
+    agreement,
+    reference_check_enabled,
+    require_real_hardware,
+    seed_of,
+)
 from baselines.gguf_export import GGUF_TYPES, cached_gguf, iter_layers, tensor_bytes
 from specter.harness.config import ConfigError
 from specter.harness.methods import Generation, Method
@@ -76,6 +83,7 @@ class LlamaCpp(Method):
     name = "llamacpp"
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
+        require_real_hardware(cfg)
         super().__init__(cfg, checkpoint)
         llama_cpp = _import_llama_cpp()
         m = cfg.method
@@ -101,7 +109,7 @@ class LlamaCpp(Method):
                 kv = kv_bytes_per_token_layer(self.config, itemsize) * n_ctx
                 self.n_gpu_layers = gpu_layers_for_budget(layers, head, kv, self.budget)
             free0, total = torch.cuda.mem_get_info(self.device)
-            device_used = lambda: total - torch.cuda.mem_get_info(self.device)[0] - (total - free0)  # noqa: E731
+            device_used = lambda: total - torch.cuda.mem_get_info(self.device)[0] - (total - free0)
         else:
             self.n_gpu_layers = 0
         threads = m.get("n_threads") or cfg.hardware.get("threads")
@@ -124,8 +132,8 @@ class LlamaCpp(Method):
         prompt = prompt_ids[0].tolist()
         self.llm.reset()
         self.llm.set_seed(seed_of(generator))
-        sampling = dict(temp=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=0.0, typical_p=1.0,
-                        repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+        sampling = {"temp": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": 0.0, "typical_p": 1.0,
+                    "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
         clock = CommitClock()
         tokens: list[int] = []
         self.peak.reset()

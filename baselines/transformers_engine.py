@@ -20,7 +20,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from baselines.common import PeakMemory, ReferenceTokens, agreement, checkpoint_bytes, reference_check_enabled, seed_of
+from baselines.common import (
+    PeakMemory,
+    ReferenceTokens,
+    agreement,
+    checkpoint_bytes,
+    reference_check_enabled,
+    require_real_hardware,
+    seed_of,
+)
 from specter.harness.methods import Generation, Method
 from specter.harness.runtime import budget_bytes
 from specter.metrics import CommitClock
@@ -48,6 +56,7 @@ class TransformersEngine(Method):
     name = "transformers"
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
+        require_real_hardware(cfg)
         super().__init__(cfg, checkpoint)
         from transformers import AutoModelForCausalLM
 
@@ -67,8 +76,8 @@ class TransformersEngine(Method):
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         clock = CommitClock()
-        kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=None, use_cache=True,
-                                      pad_token_id=self.model.config.pad_token_id, streamer=CommitStreamer(clock))
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": None, "use_cache": True,
+                                  "pad_token_id": self.model.config.pad_token_id, "streamer": CommitStreamer(clock)}
         if self.params.greedy:
             kwargs["do_sample"] = False
         else:

@@ -30,8 +30,15 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from baselines.common import (EngineUnavailable, ReferenceTokens, agreement, checkpoint_bytes,
-                              reference_check_enabled, seed_of)
+from baselines.common import (
+    EngineUnavailable,
+    ReferenceTokens,
+    agreement,
+    checkpoint_bytes,
+    reference_check_enabled,
+    require_real_hardware,
+    seed_of,
+)
 from specter.harness.config import ConfigError
 from specter.harness.methods import Generation, Method
 from specter.harness.runtime import budget_bytes
@@ -124,6 +131,7 @@ class Vllm(Method):
     name = "vllm"
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
+        require_real_hardware(cfg)
         super().__init__(cfg, checkpoint)
         m = cfg.method
         python = vllm_python(cfg)
@@ -137,8 +145,7 @@ class Vllm(Method):
                 self.cpu_offload_gb = max(0, full - self.budget) / GIB
         self.workdir = Path(tempfile.mkdtemp(prefix="specter-vllm-"))  # an empty cwd: nothing there shadows a module
         self.log_path = self.workdir / "worker.log"
-        env = dict(os.environ, PYTHONNOUSERSITE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        env.pop("PYTHONPATH", None)  # the worker must see only its own environment's packages
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         if self.device.type == "cpu":
             threads = cfg.hardware.get("threads")
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: ample for one short request
@@ -146,7 +153,8 @@ class Vllm(Method):
                 env["OMP_NUM_THREADS"] = str(threads)
                 env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.log = self.log_path.open("w")
-        self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        # -I: the worker sees only its environment's packages (no PYTHONPATH, user site, script folder or cwd)
+        self.proc = subprocess.Popen([str(python), "-I", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, cwd=self.workdir)
         try:
             self.info = self._call({

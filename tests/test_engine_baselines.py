@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
 from conftest import FIXTURES, compose, run_cli
+
 from baselines.common import agreement
 from baselines.llamacpp_engine import gpu_layers_for_budget, kv_bytes_per_token_layer
 from specter.harness.methods import build_method
@@ -109,6 +109,15 @@ def test_transformers_run_writes_records_with_token_agreement(tmp_path, tiny_che
     assert rec.peak_memory_bytes.gt(0).all() and rec.acceptance_alpha.isna().all()
     env = json.loads((out / "env.json").read_text())
     assert "transformers" in json.dumps(env)
+
+
+@pytest.mark.parametrize("method", ["transformers", "llamacpp", "vllm"])
+def test_engines_refuse_the_emulated_link(method, tiny_checkpoint):
+    from specter.harness.config import ConfigError
+
+    cfg = compose([f"method={method}", "model=tiny_qwen", "hardware=emulated"])
+    with pytest.raises(ConfigError, match="hardware=cpu"):
+        build_method(cfg, tiny_checkpoint("tiny_qwen"))
 
 
 # ----------------------------------------------------------------------------------------- GGUF
