@@ -66,18 +66,31 @@ def test_batched_specter_equals_b1_greedy(name, memory, tiny_checkpoint, referen
     prompts = _prompts()
     n = 16
     refs = [reference(name, ck, p, n) for p in prompts]
+    cache, acquire = method.rt.cache, method.rt.cache.acquire
+    misses: dict[tuple, int] = defaultdict(int)  # (target pass, layer, expert) -> demand loads
+
+    def logged(uid, *, demand=True):
+        handle = acquire(uid, demand=demand)
+        if handle is not None and not handle.hit:
+            misses[(len(engine.route_log.windows), uid.layer, uid.expert)] += 1
+        return handle
+
+    cache.acquire = logged
     try:
         engine = method.make_batch_engine()
         for B in (1, 2, 3, 8):
             method.reset()
+            misses.clear()
             run = engine.generate_batch(prompts[:B], n)
             assert run.tokens == refs[:B], f"B={B}"
+            assert max(misses.values(), default=1) == 1  # one load per expert per pass serves all B requests
             for req in run.requests:
                 assert req.clock.num_tokens == n and sum(req.accepted) <= sum(req.drafted)
                 assert 0 <= req.stats["accepted_fraction"] <= 1
             assert run.stats["iterations"] >= 1 and run.stats["distinct_experts_per_layer"] > 0
             assert engine.kv.batch_size == 0  # every request left the batch
     finally:
+        cache.acquire = acquire
         method.close()
 
 
