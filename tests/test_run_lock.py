@@ -85,6 +85,7 @@ def test_failed_start_accepts_a_corrected_configuration(tmp_path, capsys, tiny_c
 def test_missing_weights_never_create_the_folder(tmp_path):
     res = run_cli(["model=dsv2", "memory=low", f"output_dir={tmp_path / 'o'}"], cwd=tmp_path)
     assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "initialization.download_models" in res.stderr and "tiny_dsv2" in res.stderr
     assert not (tmp_path / "o").exists()
 
 
