@@ -21,7 +21,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -106,7 +106,7 @@ def _lock(out: Path) -> int:
     return fd
 
 
-def _check_config(out: Path, cfg: DictConfig, finished: int, note) -> None:
+def _check_config(out: Path, cfg: DictConfig, finished: int, note: Callable[[str], None]) -> None:
     saved = out / "config.yaml"
     if not saved.exists():
         return
@@ -154,7 +154,8 @@ def _check_provenance(out: Path, provenance: dict[str, Any], finished: int) -> N
 
 
 @contextmanager
-def run_folder(cfg: DictConfig, provenance: dict[str, Any] | None = None, note=None) -> Iterator[Path]:
+def run_folder(cfg: DictConfig, provenance: dict[str, Any] | None = None,
+               note: Callable[[str], None] | None = None) -> Iterator[Path]:
     """Create or reopen `output_dir`, locked for the duration of the `with` block.
 
     Checks that a folder with finished records holds this same run (configuration, prompts), then
@@ -210,12 +211,6 @@ def check_weights(out: Path, digest: str, finished: int) -> None:
                                                                    sort_keys=True))
     except OSError as err:
         raise _os_error(Path(out), err) from None
-
-
-def open_output_dir(cfg: DictConfig) -> Path:
-    """Check and prepare `output_dir` without keeping it locked (tools that only inspect a run)."""
-    with run_folder(cfg) as out:
-        return out
 
 
 def _git_sha() -> str | None:

@@ -21,7 +21,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,7 +177,7 @@ class RecordWriter:
     docstring) and listed in `self.rejected`.
     """
 
-    def __init__(self, path: Path, warn=None):
+    def __init__(self, path: Path, warn: Callable[[str], None] | None = None):
         self.path = Path(path)
         self.rejected_path = self.path.with_name(REJECTED_NAME)
         self.done: set[tuple[str, ...]] = set()
