@@ -274,6 +274,10 @@ def _write_metadata(writer, h: dict[str, Any], file_type: str, name: str) -> Non
             writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
             if rope.get("mscale_all_dim") is not None:  # llama.cpp divides this 0.1 back out
                 writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))
+            if rope.get("beta_fast") is not None:
+                writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+            if rope.get("beta_slow") is not None:
+                writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
     elif mt == "phimoe":
         H, heads = int(h["hidden_size"]), int(h["num_attention_heads"])
         writer.add_head_count_kv(int(h["num_key_value_heads"]))

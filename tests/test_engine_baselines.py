@@ -219,6 +219,46 @@ def test_llamacpp_greedy_equals_target_only(model, tiny_checkpoint):
 
 @pytest.mark.llamacpp
 @needs_llamacpp
+def test_llamacpp_deepseek_v2_lite_layout_matches_transformers(tmp_path):
+    """DeepSeek-V2-Lite's own layout (27 layers: llama.cpp's "lite", no q_lora; YaRN rope with mscale)."""
+    import llama_cpp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from baselines.gguf_export import export_gguf
+
+    config = AutoConfig.for_model(
+        "deepseek_v2", vocab_size=512, hidden_size=128, num_hidden_layers=27, first_k_dense_replace=1,
+        intermediate_size=256, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+        topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=64, head_dim=64, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 0.707})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # sharper logits than the init's, so greedy output is not one token repeated
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    model.save_pretrained(tmp_path / "lite")
+    prompt = torch.tensor([[3, 17, 99, 200, 45, 7, 300, 12]])  # [1, P]
+    reference = generate_autoregressive(model, prompt, 32, SamplingParams())
+    assert len(set(reference)) > 4
+    llm = llama_cpp.Llama(model_path=str(export_gguf(tmp_path / "lite", tmp_path / "lite.gguf", "f32")), n_ctx=64,
+                          n_threads=1, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, verbose=False)
+    try:
+        tokens = []
+        for token in llm.generate(prompt[0].tolist(), temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            tokens.append(token)
+            if len(tokens) == 32:
+                break
+        assert tokens == reference
+    finally:
+        llm.close()
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
 def test_llamacpp_phimoe_runs_and_says_tokens_are_not_comparable(tiny_checkpoint):
     ckpt = tiny_checkpoint("tiny_phi")
     method = engine("llamacpp", "tiny_phi", ckpt, "method.reference_check=true")
