@@ -7,13 +7,14 @@ default) takes loads while every slot of a layer is in use; it is device memory 
 against the budget.
 
     mo_sc  same cache:  M slots per layer, the memory tier's resident experts (Specter's M)
-    mo_sm  same memory: the bytes Specter spends on its INT4 draft and on its (K+1)-token window
-                        (KV positions, activations, logits) become extra slots instead:
+    mo_sm  same memory: the bytes Specter spends on its INT4 draft, its staging buffers and its
+                        (K+1)-token window (KV positions, activations, logits) become extra slots:
 
            M' = min(E, floor((F_specter − non_expert − staging − KV_1 − scratch_1) / (L · expert_bytes)))
 
-           F_specter = non_expert + M·L·expert_bytes + INT4 draft + KV_{K+1} + scratch_{K+1}, the
-           accounting every method's budget check uses; the numbers go to env.json.
+           F_specter = non_expert + M·L·expert_bytes + INT4 draft + KV_{K+1} + scratch_{K+1}
+                       + Specter's staging buffers (its default: as many as the budget still holds, ≤ cap),
+           the accounting every method's budget check uses; the numbers go to env.json.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from specter.harness.compose import CONF_DIR
 from specter.harness.config import ConfigError, effective_K, resident_experts
 from specter.harness.methods import OffloadAR
 from specter.harness.runtime import resize_cache, scratch_bytes
+from specter.harness.schema import SpecterMethodConfig
 from specter.offload.runtime import Runtime
 from specter.quant.draft import build_draft
 
@@ -83,6 +86,13 @@ def int4_draft_bytes(rt: Runtime) -> int:
     return per_layer * len(om.moe_layers)
 
 
+def specter_method_defaults() -> DictConfig:
+    """`method=specter` as the command line composes it with no overrides (schema + conf/method/specter.yaml)."""
+    data = OmegaConf.load(CONF_DIR / "method" / "specter.yaml")
+    data.pop("defaults", None)
+    return OmegaConf.merge(OmegaConf.structured(SpecterMethodConfig), data)
+
+
 def same_memory_residents(rt: Runtime, K: int, specter_resident: int, prefix_tokens: int,
                           max_new_tokens: int) -> dict[str, Any]:
     """MO-SM's slot count with the footprint accounting of the budget check, and its derivation."""
@@ -99,6 +109,12 @@ def same_memory_residents(rt: Runtime, K: int, specter_resident: int, prefix_tok
         "kv_cache": kv_token * (seq1 + K), "scratch": scratch_bytes(cfgm, K, 1, dtype),
     }
     specter["total"] = sum(v for k, v in specter.items() if k not in ("K", "resident"))
+    # Specter's staging buffers, by its own rule: method.staging_buffers, else what the budget still holds (<= cap)
+    sm = specter_method_defaults()
+    headroom = max(0, rt.budget_bytes - specter["total"])
+    n_staging = sm.staging_buffers if sm.staging_buffers is not None else min(sm.staging_cap, headroom // eb)
+    specter["staging_buffers"] = int(n_staging) * eb
+    specter["total"] += specter["staging_buffers"]
     staging = rt.cache.staging * eb
     fixed = fp.non_expert + staging + kv_token * seq1 + scratch_bytes(cfgm, 0, 1, dtype)
     slot_row = L * eb  # one more slot in every MoE layer
