@@ -60,6 +60,11 @@ def vllm_python(cfg: DictConfig) -> Path:
     return path
 
 
+def cpu_offload_gib(weight_bytes: int, budget: int) -> float:
+    """vLLM's `cpu_offload_gb` (GiB, per GPU) for a tier: the weights that do not fit in its budget."""
+    return max(0, weight_bytes - budget) / GIB
+
+
 class WorkerError(RuntimeError):
     """The vLLM worker failed; the message carries its error and the tail of its log."""
 
@@ -142,7 +147,7 @@ class Vllm(Method):
             if self.device.type == "cuda":
                 full = checkpoint_bytes(checkpoint, self.dtype)
                 self.budget = budget_bytes(cfg, full)
-                self.cpu_offload_gb = max(0, full - self.budget) / GIB
+                self.cpu_offload_gb = cpu_offload_gib(full, self.budget)
         self.workdir = Path(tempfile.mkdtemp(prefix="specter-vllm-"))  # an empty cwd: nothing there shadows a module
         self.log_path = self.workdir / "worker.log"
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")

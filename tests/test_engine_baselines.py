@@ -309,6 +309,18 @@ def test_llamacpp_missing_engine_names_the_install_command(tiny_checkpoint, monk
 
 
 # ------------------------------------------------------------------------------------------ vLLM
+def test_vllm_offloads_the_weights_over_the_tier_budget(tiny_checkpoint):
+    from baselines.common import checkpoint_bytes
+    from baselines.vllm_engine import GIB, cpu_offload_gib
+    from specter.harness.runtime import budget_bytes
+
+    assert cpu_offload_gib(10 * GIB, 4 * GIB) == 6 and cpu_offload_gib(3 * GIB, 4 * GIB) == 0
+    full = checkpoint_bytes(tiny_checkpoint("tiny_qwen"), torch.float16)
+    low = budget_bytes(compose(["model=tiny_qwen", "memory=low"]), full)
+    assert low == int(0.56 * full)  # tiny_qwen's low tier: 56 % of the FP16 footprint stays on the GPU
+    assert cpu_offload_gib(full, low) * GIB == pytest.approx(full - low)
+
+
 def test_vllm_without_its_environment_is_one_clear_line(tmp_path):
     res = run_cli(["method=vllm", "model=tiny_qwen", "hardware=cpu", f"method.python={tmp_path / 'no' / 'python'}",
                    "num_prompts=1", "progress=false", ASSETS, f"output_dir={tmp_path / 'o'}"], cwd=tmp_path)
