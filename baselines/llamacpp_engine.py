@@ -108,8 +108,10 @@ class LlamaCpp(Method):
                 self.budget = budget_bytes(cfg, sum(sizes.values()))
                 kv = kv_bytes_per_token_layer(self.config, itemsize) * n_ctx
                 self.n_gpu_layers = gpu_layers_for_budget(layers, head, kv, self.budget)
-            free0, total = torch.cuda.mem_get_info(self.device)
-            device_used = lambda: total - torch.cuda.mem_get_info(self.device)[0] - (total - free0)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+
+            def device_used() -> int:  # what llama.cpp took of the device since it loaded
+                return free_before - torch.cuda.mem_get_info(self.device)[0]
         else:
             self.n_gpu_layers = 0
         threads = m.get("n_threads") or cfg.hardware.get("threads")
