@@ -81,7 +81,11 @@ EOF
 fi
 is_tiny() { [[ "$1" == tiny_* ]]; }
 trained_opt() { if is_tiny "$1"; then echo "model.trained=$TRAINED"; fi; }
-method_hw() { if [[ "$1" == target_only && "$HARDWARE" == emulated ]]; then echo cpu; else echo "$HARDWARE"; fi; }
+# Methods that place every weight themselves (no offloading through our link) run on the plain CPU
+# when the others use the emulated link.
+method_hw() {
+  if [[ "$HARDWARE" == emulated && "$1" =~ ^(target_only|transformers|llamacpp|vllm)$ ]]; then echo cpu; else echo "$HARDWARE"; fi
+}
 if [[ -z "${BATCH_MODELS:-}" ]]; then
   BATCH_MODELS=""; for m in $MODELS; do [[ "$m" =~ dsv2|qwen ]] && BATCH_MODELS+="$m "; done
 fi
