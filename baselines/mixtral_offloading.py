@@ -23,7 +23,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.compose import CONF_DIR
@@ -40,11 +39,11 @@ class MixtralOffloading(OffloadAR):
 
     name = "mo_sc"
 
-    def __init__(self, cfg: DictConfig, checkpoint: Path, resident: int | None = None):
+    def __init__(self, cfg: DictConfig, checkpoint: Path):
         staging = cfg.method.staging_buffers
         if not isinstance(staging, int) or staging < 0:
             raise ConfigError(f"method.staging_buffers must be an integer >= 0, got {staging!r}")
-        super().__init__(cfg, checkpoint, resident=resident, staging=staging)
+        super().__init__(cfg, checkpoint, staging=staging)
 
     def environment(self) -> dict[str, Any]:
         return {**super().environment(), "staging_buffers": self.rt.cache.staging}
@@ -58,16 +57,21 @@ class MixtralOffloadingSM(MixtralOffloading):
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         super().__init__(cfg, checkpoint)  # the tier's M first: the model is loaded once
         rt = self.rt
-        self.derivation = same_memory_residents(rt, K=effective_K(cfg), specter_resident=resident_experts(cfg),
-                                                prefix_tokens=cfg.prefix_tokens, max_new_tokens=cfg.max_new_tokens)
-        preset = (cfg.method.get("presets") or {}).get(cfg.model.name, {}).get(cfg.memory.name)
-        explicit = cfg.method.get("residents")
-        M = explicit if explicit is not None else preset if preset is not None else self.derivation["resident"]
-        self.derivation["used"] = {"resident": M, "from": "method.residents" if explicit is not None else
-                                   f"method.presets.{cfg.model.name}" if preset is not None else "derived"}
-        if not isinstance(M, int) or not 1 <= M <= rt.om.num_experts:
-            raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {cfg.model.name} has {rt.om.num_experts}")
-        self.rt = resize_cache(rt, M)
+        try:
+            self.derivation = same_memory_residents(rt, K=effective_K(cfg), specter_resident=resident_experts(cfg),
+                                                    prefix_tokens=cfg.prefix_tokens,
+                                                    max_new_tokens=cfg.max_new_tokens)
+            preset = (cfg.method.get("presets") or {}).get(cfg.model.name, {}).get(cfg.memory.name)
+            explicit = cfg.method.get("residents")
+            M = explicit if explicit is not None else preset if preset is not None else self.derivation["resident"]
+            self.derivation["used"] = {"resident": M, "from": "method.residents" if explicit is not None else
+                                       f"method.presets.{cfg.model.name}" if preset is not None else "derived"}
+            if not isinstance(M, int) or not 1 <= M <= rt.om.num_experts:
+                raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {cfg.model.name} has {rt.om.num_experts}")
+            self.rt = resize_cache(rt, M)
+        except BaseException:
+            rt.close()
+            raise
         self.rt.enforce_budget(f"{cfg.model.name} mo_sm at memory={cfg.memory.name} (M={M})")
         self.derivation["used"]["footprint_bytes"] = self.rt.footprint.total
 

@@ -18,9 +18,10 @@ target-only decoding (same verification).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -30,12 +31,12 @@ from specter.harness.compose import CONF_DIR
 from specter.harness.config import ConfigError
 from specter.harness.methods import Method, Specter
 from specter.harness.runtime import build_runtime, gptq_draft_for, resize_cache
+from specter.kernels.select import select_draft_kernel
 from specter.models.loading import non_expert_bytes
 from specter.moe import MoERuntime
 from specter.offload.budget import Footprint
 from specter.offload.runtime import Runtime
 from specter.predict.planner import PlannerConfig, PrefetchPlanner
-from specter.kernels.select import select_draft_kernel
 from specter.quant.draft import build_draft, draft_forward
 from specter.speculative.batch_state import BatchKV
 from specter.speculative.batched import BatchedSpeculativeEngine

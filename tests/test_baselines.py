@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import FIXTURES, TINY_MODELS, compose
+
 from baselines.moe_spec import ExpertBudget
 from specter.harness.config import ConfigError
 from specter.harness.methods import build_method
