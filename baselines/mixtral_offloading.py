@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.compose import CONF_DIR
 from specter.harness.config import ConfigError, effective_K, resident_experts
-from specter.harness.methods import OffloadAR
+from specter.harness.methods import OffloadAR, auto_staging
 from specter.harness.runtime import resize_cache, scratch_bytes
 from specter.harness.schema import SpecterMethodConfig
 from specter.offload.runtime import Runtime
@@ -116,7 +116,7 @@ def same_memory_residents(rt: Runtime, K: int, specter_resident: int, prefix_tok
     # Specter's staging buffers, by its own rule: method.staging_buffers, else what the budget still holds (<= cap)
     sm = specter_method_defaults()
     headroom = max(0, rt.budget_bytes - specter["total"])
-    n_staging = sm.staging_buffers if sm.staging_buffers is not None else min(sm.staging_cap, headroom // eb)
+    n_staging = sm.staging_buffers if sm.staging_buffers is not None else auto_staging(headroom, eb, L, sm.staging_per_layer)
     specter["staging_buffers"] = int(n_staging) * eb
     specter["total"] += specter["staging_buffers"]
     staging = rt.cache.staging * eb

@@ -202,21 +202,14 @@ class Specter(Method):
         return None
 
     def staging_buffers(self) -> int:
-        """Staging buffers beyond the M slots: `method.staging_buffers`, or (null) as many whole experts
-        as the tier's budget still holds after everything else, at most `method.staging_cap`."""
+        """Staging buffers beyond the M slots: `method.staging_buffers`, or (null) `auto_staging`."""
         m = self.cfg.method
         if m.get("staging_buffers") is not None:
             if m.staging_buffers < 0:
                 raise ConfigError(f"method.staging_buffers must be >= 0 (or null = fit the budget), got {m.staging_buffers}")
             return int(m.staging_buffers)
-        fp = self.rt.footprint
-        per_request = fp.kv_cache + fp.scratch
-        # experiment=batch: leave the KV cache and scratch of the largest batch size that fits (one
-        # device layout for every size, so its batch-size curve measures batching alone)
-        sizes = list(self.cfg.batch.sizes) if self.cfg.get("experiment") == "batch" else [1]
-        batch = max([b for b in sizes if fp.total + (b - 1) * per_request <= self.rt.budget_bytes], default=1)
-        headroom = self.rt.budget_bytes - fp.total - (batch - 1) * per_request
-        return max(0, min(int(m.get("staging_cap", 32)), headroom // self.rt.om.store.nbytes_per_expert))
+        return auto_staging(self.rt.budget_bytes - self.rt.footprint.total, self.rt.om.store.nbytes_per_expert,
+                            len(self.rt.om.moe_layers), float(m.get("staging_per_layer", 1.2)))
 
     def reset(self) -> None:
         self.rt.cache.reset()
@@ -298,6 +291,14 @@ class Specter(Method):
 
     def close(self) -> None:
         self.rt.close()
+
+
+def auto_staging(headroom_bytes: int, expert_bytes: int, moe_layers: int, per_layer: float) -> int:
+    """Whole experts the tier's budget still holds, at most `per_layer` per MoE layer (rounded).
+
+    The paper's artifact gives DeepSeek-V2-Lite and Qwen1.5-MoE 32 staging buffers for 26-27 MoE
+    layers; keeping the per-layer ratio keeps a 3-layer tiny model from holding a third of its experts."""
+    return max(0, min(round(per_layer * moe_layers), headroom_bytes // expert_bytes))
 
 
 class LosslessViolation(AssertionError):

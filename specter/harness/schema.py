@@ -86,7 +86,7 @@ class SpecterMethodConfig(OffloadMethodConfig):
     planner: dict[str, float] = field(default_factory=dict)  # PlannerConfig overrides
     trace_windows: bool = False  # write every window's pipeline events to trace.csv (host-timed links)
     staging_buffers: Optional[int] = None  # extra expert buffers shared by all layers; null = what the budget fits
-    staging_cap: int = 32  # at most this many when automatic (the paper's artifact gives DeepSeek/Qwen 32)
+    staging_per_layer: float = 1.2  # automatic count: at most this many per MoE layer (the paper's artifact: 32 for 26-27 layers)
 
 
 @dataclass

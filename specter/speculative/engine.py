@@ -49,7 +49,7 @@ class WindowTrace:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per iteration
     predicted_hits: int = 0  # Σ |predicted ∩ actual| over windows and layers
     predicted: int = 0  # Σ |predicted|: experts the planner's top-M plans named
-    actual_capped: int = 0  # Σ min(|actual|, M): what any M-slot prediction could cover
+    actual_capped: int = 0  # Σ min(|actual|, prediction size): what a prediction of that size could cover
     dropped_prefetches: int = 0  # planned loads that found every slot pinned
     phases: list[tuple[str, int, int, int]] = field(default_factory=list)  # (phase, start, end, batch)
     windows: list[dict[str, float]] = field(default_factory=list)  # per-window timing (draft, verify, link)
@@ -285,7 +285,7 @@ class SpeculativeEngine:
             pred, act = self._window_predicted.get(layer, set()), actual.get(layer, set())
             trace.predicted_hits += len(pred & act)
             trace.predicted += len(pred)
-            trace.actual_capped += min(len(act), self.plan_capacity[layer])
+            trace.actual_capped += min(len(act), max(len(pred), self.plan_capacity[layer]))
 
     # ------------------------------------------------------------------------------ metrics
     def _stats(self, trace: WindowTrace, link_busy_s: float) -> dict[str, Any]:
