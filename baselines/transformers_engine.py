@@ -35,16 +35,21 @@ from specter.metrics import CommitClock
 
 
 class CommitStreamer:
-    """A `generate` streamer that stamps every new token on a commit clock (the first `put` is the prompt)."""
+    """A `generate` streamer that stamps each step's new token on every request's commit clock.
 
-    def __init__(self, clock: CommitClock):
-        self.clock, self.prompt_seen = clock, False
+    `generate` hands the streamer the prompt first, then one token per sequence per step.
+    """
+
+    def __init__(self, clocks: CommitClock | list[CommitClock]):
+        self.clocks = clocks if isinstance(clocks, list) else [clocks]
+        self.prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        self.clock.commit(int(value.numel()))  # batch 1: one token per step
+        for clock in self.clocks:  # value: [B] (or [1, 1] for one sequence): one token each
+            clock.commit(1)
 
     def end(self) -> None:
         pass
@@ -96,6 +101,41 @@ class TransformersEngine(Method):
         if self.reference is not None and self.params.greedy:
             stats.update(agreement(tokens, self.reference(prompt_ids[0].tolist(), len(tokens))))
         return Generation(tokens, clock, stats)
+
+    def generate_batch(self, prompts, max_new_tokens, generators):
+        """The prompts as one left-padded batch through `generate` (experiment=batch); each request's clock
+        is stamped at every step. Sampling draws from torch's global generator, seeded by the first request."""
+        from specter.speculative.batch_state import Request
+        from specter.speculative.batched import BatchRun
+
+        pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        width = max(int(p.numel()) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, P_max], left-padded
+        mask = torch.zeros_like(ids)
+        for b, p in enumerate(prompts):
+            ids[b, width - p.numel():], mask[b, width - p.numel():] = p.cpu(), 1
+        requests = [Request(rid=b, prompt_len=int(p.numel()), max_new_tokens=max_new_tokens, prompt=p.tolist())
+                    for b, p in enumerate(prompts)]
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": None, "use_cache": True,
+                                  "pad_token_id": pad, "streamer": CommitStreamer([r.clock for r in requests])}
+        if self.params.greedy:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=self.params.temperature, top_p=self.params.top_p,
+                          top_k=self.params.top_k)
+            torch.manual_seed(seed_of(generators[0]))
+        self.peak.reset()
+        for r in requests:
+            r.clock.start()
+        with torch.inference_mode():
+            out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), **kwargs)  # [B, P_max + N]
+        peak = self.peak.read()
+        for b, r in enumerate(requests):
+            r.tokens = out[b, width:].tolist()
+            r.stats["peak_memory_bytes"] = peak
+            if self.reference is not None and self.params.greedy:
+                r.stats.update(agreement(r.tokens, self.reference(r.prompt, len(r.tokens))))
+        return BatchRun(requests, {"iterations": max_new_tokens})
 
     def environment(self) -> dict[str, Any]:
         import accelerate

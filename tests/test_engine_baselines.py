@@ -89,6 +89,17 @@ def test_transformers_greedy_equals_target_only(model, tiny_checkpoint):
         method.close()
 
 
+def test_transformers_batch_decodes_each_prompt_as_alone(tiny_checkpoint):
+    ckpt = tiny_checkpoint("tiny_dsv2")
+    method = engine("transformers", "tiny_dsv2", ckpt)
+    batch = [p[0] for p in prompts(ckpt)] + [prompts(ckpt)[0][0, :9]]  # unequal lengths: left padding
+    run = method.generate_batch(batch, 24, [make_generator("cpu", i) for i in range(len(batch))])
+    for prompt, req in zip(batch, run.requests):
+        assert req.tokens == target_only_tokens(ckpt, prompt[None], 24)
+        assert req.clock.num_tokens == 24 and req.clock.latency()["tpot_ms"] > 0
+    assert run.wall_seconds() > 0
+
+
 def test_transformers_sampling_follows_the_record_seed(tiny_checkpoint):
     ckpt = tiny_checkpoint("tiny_qwen")
     method = engine("transformers", "tiny_qwen", ckpt, "temperature=1.0")
