@@ -19,10 +19,6 @@ TINY_MODELS = ("tiny_dsv2", "tiny_qwen", "tiny_phi")
 def pytest_configure(config):
     import torch
 
-    for marker in ("llamacpp: needs llama-cpp-python (skipped without it)",
-                   "vllm: needs the vLLM environment of scripts/setup_vllm.sh (skipped without it)"):
-        config.addinivalue_line("markers", marker)
-
     torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to oversubscription
 
 
