@@ -26,7 +26,7 @@
 #   TIERS          default "high low"
 #   HARDWARE       emulated (default; target_only runs on hardware=cpu: it moves no experts) | cpu | cuda
 #   METHODS        default: every conf/method/*.yaml, except llamacpp unless llama_cpp is importable
-#                  and vllm unless vllm is importable and HARDWARE=cuda (their runners need those
+#                  and vllm unless its env (scripts/setup_vllm.sh) exists and HARDWARE=cuda (their runners need those
 #                  packages; transformers needs only core dependencies and is included)
 #   BATCH_MODELS   default: the MODELS that mirror DeepSeek-V2-Lite and Qwen1.5-MoE (the paper's)
 #   BATCH_METHODS  default: specter mo_sm specmoeoff transformers (those in METHODS)
@@ -67,10 +67,13 @@ SPECTER_HOME="${SPECTER_HOME:-$HOME/.cache/specter}"
 # ---------------------------------------------------------------- methods
 if [[ -z "${METHODS:-}" ]]; then
   available=$("$PY" - "$HARDWARE" <<'EOF'
-import importlib.util, pathlib, sys
+import importlib.util, os, pathlib, sys
 names = sorted(p.stem for p in pathlib.Path("conf/method").glob("*.yaml"))
-needs = {"llamacpp": "llama_cpp", "vllm": "vllm"}  # engine baselines with their own packages
-keep = [n for n in names if n not in needs or importlib.util.find_spec(needs[n]) is not None]
+home = pathlib.Path(os.environ.get("SPECTER_HOME", pathlib.Path.home() / ".cache" / "specter"))
+vllm_python = pathlib.Path(os.environ.get("SPECTER_VLLM_PYTHON") or home / "venvs" / "vllm" / "bin" / "python")
+available = {"llamacpp": importlib.util.find_spec("llama_cpp") is not None,  # engine baselines with their own
+             "vllm": vllm_python.exists()}                                  # packages (vLLM: its own env)
+keep = [n for n in names if available.get(n, True)]
 if sys.argv[1] != "cuda" and "vllm" in keep:
     keep.remove("vllm")  # vLLM's CPU weight offload serves a GPU
 first = [n for n in ("target_only", "offload_ar") if n in keep]
