@@ -208,8 +208,15 @@ class Specter(Method):
             if m.staging_buffers < 0:
                 raise ConfigError(f"method.staging_buffers must be >= 0 (or null = fit the budget), got {m.staging_buffers}")
             return int(m.staging_buffers)
-        return auto_staging(self.rt.budget_bytes - self.rt.footprint.total, self.rt.om.store.nbytes_per_expert,
-                            len(self.rt.om.moe_layers), float(m.get("staging_per_layer", 1.2)))
+        fp = self.rt.footprint
+        per_request = fp.kv_cache + fp.scratch
+        # experiment=batch: leave the KV cache and scratch of the largest batch size that fits (one
+        # device layout for every size, so its batch-size curve measures batching alone)
+        sizes = list(self.cfg.batch.sizes) if self.cfg.get("experiment") == "batch" else [1]
+        batch = max([b for b in sizes if fp.total + (b - 1) * per_request <= self.rt.budget_bytes], default=1)
+        headroom = self.rt.budget_bytes - fp.total - (batch - 1) * per_request
+        return auto_staging(headroom, self.rt.om.store.nbytes_per_expert, len(self.rt.om.moe_layers),
+                            float(m.get("staging_per_layer", 1.2)))
 
     def reset(self) -> None:
         self.rt.cache.reset()
