@@ -37,24 +37,26 @@ def tiny_checkpoint():
     return get
 
 
-@pytest.fixture
-def filled_store():
-    """(E, layers, H=8, I=4) -> a complete HostExpertStore whose every element names its expert
-    (layer*1000 + e for gate_up, +0.5 for down), so a wrong slot shows in any byte."""
+def make_filled_store(E: int, layers=(1, 2), H: int = 8, I: int = 4):
+    """A complete HostExpertStore whose every element names its expert (layer*1000 + e for gate_up,
+    +0.5 for down), so a wrong slot shows in any byte."""
     import torch
 
     from specter.offload.store import ExpertLayout, ExpertUID, HostExpertStore
 
-    def make(E: int, layers=(1, 2), H: int = 8, I: int = 4) -> HostExpertStore:
-        store = HostExpertStore(ExpertLayout(H, I, torch.float32), list(layers), E, pin_memory=False)
-        for layer in layers:
-            for e in range(E):
-                val = float(layer * 1000 + e)
-                store.write(ExpertUID(layer, e), torch.full((2 * I, H), val), torch.full((H, I), val + 0.5))
-        store.assert_complete()
-        return store
+    store = HostExpertStore(ExpertLayout(H, I, torch.float32), list(layers), E, pin_memory=False)
+    for layer in layers:
+        for e in range(E):
+            val = float(layer * 1000 + e)
+            store.write(ExpertUID(layer, e), torch.full((2 * I, H), val), torch.full((H, I), val + 0.5))
+    store.assert_complete()
+    return store
 
-    return make
+
+@pytest.fixture
+def filled_store():
+    """The `make_filled_store` factory, as a fixture."""
+    return make_filled_store
 
 
 from specter.harness.compose import compose  # noqa: E402,F401  (re-exported for tests)

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+
+from conftest import make_filled_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,14 +23,7 @@ LAYERS = [1, 2]
 
 
 def _filled_store(E: int, layers=LAYERS) -> HostExpertStore:
-    store = HostExpertStore(ExpertLayout(H, I, torch.float32), list(layers), E, pin_memory=False)
-    for layer in layers:
-        for e in range(E):
-            # every element identifies its expert, so a wrong slot is visible in any byte
-            val = float(layer * 1000 + e)
-            store.write(ExpertUID(layer, e), torch.full((2 * I, H), val), torch.full((H, I), val + 0.5))
-    store.assert_complete()
-    return store
+    return make_filled_store(E, layers, H, I)
 
 
 def _assert_slot_matches(cache: ExpertCache, layer: int) -> None:

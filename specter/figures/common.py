@@ -112,6 +112,26 @@ def legend_above(fig, handles, labels, ncol: int | None = None) -> None:
                fontsize=8)
 
 
+def grouped_bars(ax, categories: list, series: list[str], table: pd.DataFrame, by: str, index: str, value: str,
+                 colors: dict[str, str], error: str | None = None, **bar_kw) -> None:
+    """One bar per (category, series), side by side within each category; missing pairs are left out.
+
+    `table` rows: `by` names the series, `index` the category, `value` the bar height (and `error`,
+    when given, its error bar)."""
+    width = 0.8 / max(1, len(series))
+    for i, name in enumerate(series):
+        rows = table[table[by] == name].set_index(index)
+        present = [c for c in categories if c in rows.index]
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, c in enumerate(categories) if c in rows.index]
+        kw = dict(bar_kw)
+        if error is not None:
+            err = [rows.loc[c, error] for c in present]
+            if not all(pd.isna(e) for e in err):
+                kw.update(yerr=np.nan_to_num(np.asarray(err, dtype=float)), capsize=1.5,
+                          error_kw={"elinewidth": 0.6, "ecolor": "#333333"})
+        ax.bar(xs, [rows.loc[c, value] for c in present], width=width, color=colors[name], **kw)
+
+
 def subplots(nrows: int, ncols: int, w: float = 3.6, h: float = 2.8, **kw):
     fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols + 0.6, h * nrows + 0.4), squeeze=False, **kw)
     return fig, axes

@@ -18,7 +18,7 @@ import pandas as pd
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from specter.figures.common import PALETTE, Output, Skip, legend_above, style_axes, subplots
+from specter.figures.common import PALETTE, Output, Skip, grouped_bars, legend_above, style_axes, subplots
 from specter.figures.data import ResultSet
 
 NAME10 = "fig10_draft_kernel_latency"
@@ -115,11 +115,7 @@ def build(results: ResultSet, out: Output) -> None:
     for ax, (dev, dt, h, i) in zip(axes[0], panels):
         d = speed[(speed.device == dev) & (speed.dtype == dt) & (speed.H == h) & (speed.I == i)]
         ts = sorted(d["T"].unique())
-        width = 0.8 / max(1, len(others))
-        for j, b in enumerate(others):
-            g = d[d["backend"] == b].set_index("T")
-            xs = [x + (j - (len(others) - 1) / 2) * width for x, t in enumerate(ts) if t in g.index]
-            ax.bar(xs, [g.loc[t, "speedup_geomean"] for t in ts if t in g.index], width=width, color=colors[b])
+        grouped_bars(ax, ts, others, d, by="backend", index="T", value="speedup_geomean", colors=colors)
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xticks(range(len(ts)), [str(int(t)) for t in ts])
         style_axes(ax, f"{dev} {dt} {h}×{i}".strip(), xlabel="tokens per call T", ylabel=f"speedup over {baseline} (×)")

@@ -10,6 +10,7 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from specter.figures.common import (
+    grouped_bars,
     Output,
     Skip,
     legend_above,
@@ -49,11 +50,7 @@ def build(results: ResultSet, out: Output) -> None:
         d = table[table["model"] == model]
         tiers = order_tiers(d["memory"])
         present = [v for v in variants if v in set(d["method"])]
-        width = 0.8 / max(1, len(present))
-        for i, v in enumerate(present):
-            e = d[d["method"] == v].set_index("memory")
-            xs = [j + (i - (len(present) - 1) / 2) * width for j, t in enumerate(tiers) if t in e.index]
-            ax.bar(xs, [e.loc[t, "ratio"] for t in tiers if t in e.index], width=width, color=colors[v])
+        grouped_bars(ax, tiers, present, d, by="method", index="memory", value="ratio", colors=colors)
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
         style_axes(ax, model_label(model), ylabel="H2D bytes / oracle bytes")

@@ -17,6 +17,7 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from specter.figures.common import (
+    grouped_bars,
     Output,
     Skip,
     dataset_label,
@@ -97,15 +98,8 @@ def draw(table: pd.DataFrame, out: Output) -> None:
                 continue
             datasets = order_datasets(sub["dataset"])
             present = [v for v in variants if v in set(sub["method"])]
-            width = 0.8 / max(1, len(present))
-            for i, variant in enumerate(present):
-                v = sub[sub["method"] == variant].set_index("dataset")
-                xs = [j + (i - (len(present) - 1) / 2) * width for j, d in enumerate(datasets) if d in v.index]
-                ys = [v.loc[d, "mean_ms"] for d in datasets if d in v.index]
-                err = [v.loc[d, "std_repeats_ms"] for d in datasets if d in v.index]
-                err = None if all(pd.isna(e) for e in err) else np.nan_to_num(np.asarray(err, dtype=float))
-                ax.bar(xs, ys, width=width, color=colors[variant], yerr=err, capsize=1.5,
-                       error_kw={"elinewidth": 0.6, "ecolor": "#333333"}, label=method_label(variant))
+            grouped_bars(ax, datasets, present, sub, by="method", index="dataset", value="mean_ms",
+                         colors=colors, error="std_repeats_ms")
             ax.set_xticks(range(len(datasets)), [dataset_label(d) for d in datasets])
             if "AVG" in datasets:
                 ax.axvline(len(datasets) - 1.5, color="#999999", lw=0.6, ls=":")
