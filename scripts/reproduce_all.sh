@@ -209,8 +209,9 @@ fi
 if [[ -n "$TINY_MODELS" ]]; then  # these two benchmarks drive the tiny models
   add "bench-verify" "$PY" scripts/bench_verify.py --models $TINY_MODELS "${bench_verify[@]}" --hardware "$HARDWARE" \
     "${untrained[@]}" --out "$RESULTS/bench/verify_schedule.csv"
+  bench_datasets="$DATASET"; [[ "$DATASET" == all ]] && bench_datasets="c4,wikitext2,humaneval,gsm8k,gpqa"
   add "bench-prefetch" "$PY" scripts/bench_methods.py --suite prefetch --models $TINY_MODELS "${bench_prefetch[@]}" \
-    --hardware "$HARDWARE" "${untrained[@]}" --out "$RESULTS/bench"
+    --datasets "$bench_datasets" --hardware "$HARDWARE" "${untrained[@]}" --out "$RESULTS/bench"
 else
   note "bench-verify, bench-prefetch: tiny models only (MODELS has none)"
 fi
