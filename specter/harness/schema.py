@@ -159,6 +159,10 @@ def register_schemas() -> None:
 
     from omegaconf import OmegaConf
 
+    if not OmegaConf.has_resolver("tiny"):  # conf/model/tiny_*.yaml read their dimensions from models/tiny.py
+        from specter.models.tiny import tiny_dimension
+
+        OmegaConf.register_new_resolver("tiny", tiny_dimension)
     if not OmegaConf.has_resolver("abspath"):  # hydra.sweep.subdir: each job's folder is its output_dir
         OmegaConf.register_new_resolver("abspath", os.path.abspath)
     cs = ConfigStore.instance()

@@ -125,6 +125,21 @@ TINY_WEIGHT_SHA256: dict[str, str] = json.loads(
 ) if Path(__file__).with_name("tiny_checksums.json").exists() else {}
 
 
+def tiny_dimension(name: str, key: str) -> int:
+    """A tiny model's dimension as the run config names it (`num_experts`, `top_k`, `context_length`):
+    the one source the model configs read through the `${tiny:<name>,<key>}` resolver."""
+    kw = TINY_SPECS[name].config_kwargs
+    lookup = {
+        "num_experts": ("n_routed_experts", "num_experts", "num_local_experts"),
+        "top_k": ("num_experts_per_tok",),
+        "context_length": ("max_position_embeddings",),
+    }
+    for field_name in lookup[key]:
+        if field_name in kw:
+            return int(kw[field_name])
+    raise KeyError(f"{name} has no {key}")
+
+
 def tiny_dir(name: str, trained: bool = False, root: Path | None = None) -> Path:
     root = root or specter_home() / "models"
     return root / (f"{name}-trained" if trained else name)
