@@ -409,3 +409,19 @@ def test_staging_buffers_leave_room_for_the_largest_batch(tiny_checkpoint):
     finally:
         single.close()
         batched.close()
+
+
+def test_batched_oracle_prefetch_is_exact_and_untimed(tiny_checkpoint, reference):
+    """prefetch=oracle batched: a host-computed dry run of every request's window picks the experts;
+    greedy output unchanged, the plan covers the verified experts, the probe is excluded from timing."""
+    name = "tiny_qwen"
+    ck = tiny_checkpoint(name)
+    method = build_method(_cfg(name, "low", "K=4", "method.prefetch=oracle"), ck)
+    prompts = _prompts(7)[:3]
+    try:
+        run = method.generate_batch(prompts, NEW, [None] * 3)
+        assert run.tokens == [reference(name, ck, p) for p in prompts]
+        assert run.stats["prefetch_recall"] > 0.5
+        assert all(r.clock.excluded_s > 0 for r in run.requests)
+    finally:
+        method.close()
