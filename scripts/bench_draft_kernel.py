@@ -41,7 +41,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specter.kernels.draft_moe import (DequantWorkspace, draft_moe_fused, draft_moe_reference,  # noqa: E402
-                                       draft_moe_unfused, moe_eager_loop, prepare_int4mm)
+                                       draft_moe_unfused, prepare_int4mm)
+from specter.kernels.reference import moe_reference
 from specter.quant.int4 import Int4ExpertLayer, Int4Experts, default_group_size, quantize_rtn  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -150,7 +151,7 @@ def bench_shape(c: Case, dtype: torch.dtype, device: torch.device, methods: set[
             "unfused": lambda: draft_moe_unfused(x, idx, w, gu, dn, F.silu),
             "grouped": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", workspace=ws),
             "torch": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, prepared=prepared, workspace=ws),
-            "fp_loop": lambda: moe_eager_loop(x, idx, w, gu_d, dn_d, F.silu),
+            "fp_loop": lambda: moe_reference(x, idx, w, gu_d, dn_d, F.silu),
         }
         if prepared is not None:
             fns["int4mm"] = lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="int4mm", prepared=prepared)

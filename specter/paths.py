@@ -3,6 +3,7 @@ and how it writes files that must never be seen half-written."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -35,3 +36,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file's bytes, read in chunks (weights, dataset files, draft archives)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()

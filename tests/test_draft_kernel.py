@@ -1,16 +1,14 @@
 """Fused INT4 draft MoE vs the dequantized reference (and the reference vs transformers' own loop)."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specter.kernels.draft_moe import (DequantWorkspace, choose_backend, dequantize_active, draft_moe_fused,
-                                       draft_moe_reference, draft_moe_unfused, grouped_linear, moe_eager_loop,
-                                       prepare_int4mm, sort_routes)
-from specter.quant.int4 import Int4Experts, dequantize, quantize_rtn
+                                       draft_moe_reference, draft_moe_unfused, grouped_linear, prepare_int4mm, sort_routes)
+from kernel_cases import assert_within, inputs, layer, reference, routes
+from specter.quant.int4 import dequantize, quantize_rtn
 
 # Tolerances (output vs reference): elementwise rtol with an atol relative to the output's scale,
 # plus a relative L2 bound on the whole output.
@@ -22,42 +20,7 @@ TOL = {  # dtype: (rtol, atol as a fraction of max|ref|, rel-L2)
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
-    rtol, atol_frac, rel_l2 = TOL[ref.dtype]
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    o, r = out.float(), ref.float()
-    scale = float(r.abs().max()) if r.numel() else 1.0
-    torch.testing.assert_close(o, r, rtol=rtol, atol=atol_frac * scale)
-    if r.numel():
-        assert float((o - r).norm() / r.norm().clamp_min(1e-12)) < rel_l2
-
-
-@functools.lru_cache(maxsize=None)
-def layer(e: int, h: int, i: int) -> tuple[Int4Experts, Int4Experts]:
-    g = torch.Generator().manual_seed(1000 * e + h + i)
-    gate_up = torch.randn(e, 2 * i, h, generator=g) / h**0.5
-    down = torch.randn(e, h, i, generator=g) / i**0.5
-    return quantize_rtn(gate_up, 128), quantize_rtn(down, 128)
-
-
-@functools.lru_cache(maxsize=None)
-def dequantized(e: int, h: int, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    gu, dn = layer(e, h, i)
-    return dequantize(gu, dtype), dequantize(dn, dtype)
-
-
-def reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, e: int, h: int, i: int) -> torch.Tensor:
-    """`draft_moe_reference` with the dequantization cached across calls (it is tested on its own below)."""
-    return moe_eager_loop(x, idx, w, *dequantized(e, h, i, x.dtype), F.silu)
-
-
-def routes(t: int, e: int, k: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    w, idx = torch.softmax(torch.randn(t, e, generator=g), dim=-1).topk(k, dim=-1)  # [T, k]
-    return w.to(dtype), idx
-
-
-def inputs(t: int, h: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    return torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    assert_within(out, ref, TOL[ref.dtype])
 
 
 GRID_T = [1, 3, 16, 64]

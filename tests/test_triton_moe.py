@@ -23,7 +23,6 @@ All are >= 6x below the gap between these INT4 weights and the FP weights they q
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -40,7 +39,9 @@ if not torch.cuda.is_available() and not triton_moe.interpreting():  # triton's 
     pytest.skip("triton was imported before this module set TRITON_INTERPRET=1 (run with TRITON_INTERPRET=1)",
                 allow_module_level=True)
 
-from specter.kernels.draft_moe import draft_moe_fused, moe_eager_loop  # noqa: E402
+from kernel_cases import assert_within, errors, inputs, layer, reference, routes  # noqa: E402
+from specter.kernels.draft_moe import draft_moe_fused  # noqa: E402
+from specter.kernels.reference import moe_reference  # noqa: E402
 from specter.kernels.triton_moe import (TritonMoEConfig, align_routes, fused_moe_w4a16,  # noqa: E402
                                         kmajor_layout, max_padded_rows)
 from specter.quant.int4 import Int4Experts, dequantize, quantize_rtn  # noqa: E402
@@ -54,53 +55,8 @@ TOL = {  # dtype: (rtol, atol as a fraction of max|ref|, rel-L2)
 }
 
 
-def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(max |out − ref| / max|ref|, ‖out − ref‖ / ‖ref‖)."""
-    o, r = out.float().cpu(), ref.float().cpu()
-    scale = float(r.abs().max()) or 1.0
-    return float((o - r).abs().max()) / scale, float((o - r).norm() / r.norm().clamp_min(1e-12))
-
-
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
-    rtol, atol_frac, rel_l2 = TOL[ref.dtype]
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    o, r = out.float().cpu(), ref.float().cpu()
-    scale = float(r.abs().max()) if r.numel() else 1.0
-    torch.testing.assert_close(o, r, rtol=rtol, atol=atol_frac * scale)
-    if r.numel() and float(r.norm()) > 0:
-        assert errors(out, ref)[1] < rel_l2
-
-
-@functools.lru_cache(maxsize=None)
-def layer(e: int, h: int, i: int) -> tuple[Int4Experts, Int4Experts]:
-    """RTN INT4 experts with the project's group size rule (128, or the largest power of two dividing K)."""
-    from specter.quant.int4 import default_group_size
-
-    g = torch.Generator().manual_seed(1000 * e + h + i)
-    gate_up = torch.randn(e, 2 * i, h, generator=g) / h**0.5  # [E, 2I, H]
-    down = torch.randn(e, h, i, generator=g) / i**0.5  # [E, H, I]
-    return quantize_rtn(gate_up, default_group_size(h)), quantize_rtn(down, default_group_size(i))
-
-
-@functools.lru_cache(maxsize=None)
-def dequantized(e: int, h: int, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    gu, dn = layer(e, h, i)
-    return dequantize(gu, dtype), dequantize(dn, dtype)
-
-
-def reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, e: int, h: int, i: int, act=F.silu) -> torch.Tensor:
-    """`draft_moe_reference` (dequantize to x.dtype + HF's eager loop) with the dequantization cached."""
-    return moe_eager_loop(x, idx, w, *dequantized(e, h, i, x.dtype), act)
-
-
-def routes(t: int, e: int, k: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    w, idx = torch.softmax(torch.randn(t, e, generator=g), dim=-1).topk(k, dim=-1)  # [T, k]
-    return w.to(dtype), idx
-
-
-def inputs(t: int, h: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    return torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    assert_within(out, ref, TOL[ref.dtype])
 
 
 def on_device(e: int, h: int, i: int) -> tuple[Int4Experts, Int4Experts]:
@@ -286,7 +242,7 @@ def test_tolerance_catches_errors() -> None:
         assert_matches(out, reference(x, wrong, w, e, h, i))
     g = torch.Generator().manual_seed(1000 * e + h + i)  # the FP weights `layer` quantized
     fp = (torch.randn(e, 2 * i, h, generator=g) / h**0.5, torch.randn(e, h, i, generator=g) / i**0.5)
-    fp_out = moe_eager_loop(x, idx, w, fp[0].half(), fp[1].half(), F.silu)
+    fp_out = moe_reference(x, idx, w, fp[0].half(), fp[1].half(), F.silu)
     assert errors(out, fp_out)[1] > 10 * TOL[torch.float16][2]
 
 

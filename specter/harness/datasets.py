@@ -56,6 +56,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 from urllib.parse import urlparse
 
+from specter.paths import file_sha256
+
 DATASETS = ("c4", "wikitext2", "humaneval", "gsm8k", "gpqa")
 ABBREVIATIONS = {"c4": "C4", "wikitext2": "WT", "humaneval": "HE", "gsm8k": "GK", "gpqa": "GP"}
 GPQA_PASSWORD = b"deserted-untie-orchid"  # published with the dataset; keeps it out of crawls
@@ -86,17 +88,6 @@ class PromptSet:
     texts: list[str]
     source: str  # "assets:<path>", "hub:<repo>" or "bundled:<package>/<file>"
     file_sha256: str | None = None  # sha256 of the source file (None for the hub)
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a dataset file: recorded with results so a resumed run can prove it reads the same."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- file readers

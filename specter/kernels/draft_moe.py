@@ -58,7 +58,6 @@ from specter.kernels.reference import moe_reference
 from specter.quant.int4 import ZERO_POINT, Int4Experts, dequantize, unpack_codes
 
 ActFn = Callable[[torch.Tensor], torch.Tensor]
-moe_eager_loop = moe_reference  # former name, kept for callers being migrated
 Backend = Literal["auto", "grouped", "int4mm", "triton"]
 GroupedMatmul = Literal["auto", "grouped_mm", "bmm"]
 

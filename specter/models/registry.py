@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from specter.models import tiny
+from specter.paths import file_sha256
 
 
 class ModelUnavailable(RuntimeError):
@@ -100,11 +101,7 @@ def checkpoint_digest(checkpoint: Path) -> str:
         stamp = f"{st.st_size}:{st.st_mtime_ns}"
         entry = memo.get(f.name)
         if not entry or entry.get("stamp") != stamp:
-            fh = hashlib.sha256()
-            with f.open("rb") as fp:
-                for chunk in iter(lambda: fp.read(1 << 24), b""):
-                    fh.update(chunk)
-            entry, changed = {"stamp": stamp, "sha256": fh.hexdigest()}, True
+            entry, changed = {"stamp": stamp, "sha256": file_sha256(f)}, True
             memo[f.name] = entry
         h.update(f"{f.name}|{entry['sha256']}|".encode())
     if changed:

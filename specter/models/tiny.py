@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specter.paths import specter_home
+from specter.paths import file_sha256, specter_home
 
 TOKENIZER_VOCAB = 1024
 TOKENIZER_CORPUS_BYTES = 4_000_000
@@ -224,14 +224,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
 # ------------------------------------------------------------------------------------- build
 def file_sha256s(folder: Path) -> dict[str, str]:
     """sha256 of every weight file (`*.safetensors`) in `folder`, by file name."""
-    out = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        h = hashlib.sha256()
-        with f.open("rb") as fp:
-            for chunk in iter(lambda: fp.read(1 << 22), b""):
-                h.update(chunk)
-        out[f.name] = h.hexdigest()
-    return out
+    return {f.name: file_sha256(f) for f in sorted(Path(folder).glob("*.safetensors"))}
 
 
 def build_lock(out: Path):

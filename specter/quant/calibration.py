@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specter.paths import atomic_write_text
+from specter.paths import atomic_write_text, file_sha256
 from specter.quant.int4 import Int4ExpertLayer, Int4Experts
 
 
@@ -41,14 +41,6 @@ def capture_expert_inputs(rt, token_batches: list[torch.Tensor]) -> dict[int, li
     return {layer: [torch.cat(xs) if xs else torch.zeros(0, H) for xs in per] for layer, per in captured.items()}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def save_draft(path: Path, layers: dict[int, Int4ExpertLayer]) -> None:
     """Write the archive and its `.sha256` so that a crash at any point leaves either nothing
     usable (the archive is rebuilt next time) or a complete, verifiable pair.
@@ -71,7 +63,7 @@ def save_draft(path: Path, layers: dict[int, Int4ExpertLayer]) -> None:
         save_file(tensors, tmp, metadata={"specter": json.dumps(meta)})
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        atomic_write_text(path.with_suffix(".sha256"), _sha256(tmp) + "\n")
+        atomic_write_text(path.with_suffix(".sha256"), file_sha256(tmp) + "\n")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -83,7 +75,7 @@ def load_draft(path: Path) -> dict[int, Int4ExpertLayer]:
         expected = sums.read_text().strip()
     except OSError:
         expected = None
-    if expected != _sha256(path):
+    if expected != file_sha256(path):
         raise CorruptDraft(f"draft archive {path} fails its checksum; delete it (and {sums.name}) to rebuild")
     try:
         from safetensors import safe_open

@@ -20,7 +20,8 @@ if not torch.cuda.is_available():  # before importing the kernels: on a CPU they
 pytest.importorskip("triton")
 
 from specter.kernels import triton_moe  # noqa: E402
-from specter.kernels.draft_moe import draft_moe_fused, moe_eager_loop  # noqa: E402
+from specter.kernels.draft_moe import draft_moe_fused  # noqa: E402
+from specter.kernels.reference import moe_reference  # noqa: E402
 from specter.kernels.select import select_draft_kernel  # noqa: E402
 from specter.quant.int4 import default_group_size, dequantize, quantize_rtn  # noqa: E402
 
@@ -77,8 +78,8 @@ def test_real_expert_shapes(h: int, i: int, e: int, k: int, tokens: tuple[int, .
     for t in tokens:
         x, idx, w = inputs(t, h, e, k, dtype, seed=t)
         out = triton_moe.fused_moe_w4a16(x, idx, w, gu, dn, F.silu)
-        ref = moe_eager_loop(x, idx, w, w_gu, w_dn, F.silu)
-        exact = moe_eager_loop(x.float(), idx, w.float(), w_gu32, w_dn32, F.silu)
+        ref = moe_reference(x, idx, w, w_gu, w_dn, F.silu)
+        exact = moe_reference(x.float(), idx, w.float(), w_gu32, w_dn32, F.silu)
         assert out.dtype == dtype and out.shape == (t, h)
         scale = float(ref.float().abs().max())
         torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol * scale)
@@ -91,7 +92,7 @@ def test_other_activation_and_kmajor_layout(dtype: torch.dtype) -> None:
     gu, dn = layer(60, 2048, 1408, seed=3)
     x, idx, w = inputs(9, 2048, 60, 4, dtype)
     act = lambda v: F.gelu(v, approximate="tanh")  # noqa: E731
-    ref = moe_eager_loop(x, idx, w, dequantize(gu, dtype), dequantize(dn, dtype), act)
+    ref = moe_reference(x, idx, w, dequantize(gu, dtype), dequantize(dn, dtype), act)
     rtol, atol, l2 = TOL[dtype]
     scale = float(ref.float().abs().max())
     for g, d in ((gu, dn), (triton_moe.kmajor_layout(gu), triton_moe.kmajor_layout(dn))):
@@ -147,7 +148,7 @@ def test_marlin_matches_reference() -> None:
     gu, dn = layer(8, 2048, 1408, seed=6)
     experts = prepare_marlin(Int4ExpertLayer(gu, dn), torch.float16, torch.device("cuda"))
     x, idx, w = inputs(16, 2048, 8, 2, torch.float16)
-    ref = moe_eager_loop(x, idx, w, dequantize(gu, torch.float16), dequantize(dn, torch.float16), F.silu)
+    ref = moe_reference(x, idx, w, dequantize(gu, torch.float16), dequantize(dn, torch.float16), F.silu)
     out = marlin_moe(x, idx, w, experts, F.silu)
     rtol, atol, l2 = TOL[torch.float16]
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol * float(ref.float().abs().max()))
