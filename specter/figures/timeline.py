@@ -3,7 +3,7 @@
 Input: `trace.csv` in run folders, one row per event: window, event, layer, expert, start_ms,
 end_ms, bytes, phase. Events: draft (or draft_step), boundary, copy, compute, wait (verification
 waiting for a copy); moe/verify spans are containers and not drawn. A copy's phase, when it is a
-label (cold_start, overlap, cleanup, ...), colours it; otherwise (e.g. "queued 0.3 ms") copies are
+label (cold_start, overlap, cleanup, ...), colours it; otherwise (empty: the engine's own traces) copies are
 split into "while drafting" (started before the window's last draft step ended) and "during
 verification". Columns dataset/prompt_index/repeat, when present, tell records apart.
 

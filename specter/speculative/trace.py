@@ -43,6 +43,7 @@ class TraceEvent:
     expert: int | None = None
     bytes: int = 0
     phase: str = ""
+    queued_ms: float = 0.0  # copies: time between submission and the link starting it
 
     def as_row(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -83,9 +84,8 @@ class WindowTracer:
     def on_copy(self, tag: Any, nbytes: int, submitted: float, start: float, finish: float) -> None:
         """`TransferLink.observer`: one landed copy (runs on the copy thread)."""
         layer, expert = (tag.layer, tag.expert) if tag is not None and hasattr(tag, "layer") else (None, None)
-        queued = self.now_ms(start) - self.now_ms(submitted)
         self.events.append(TraceEvent(max(self.window, 0), "copy", self.now_ms(start), self.now_ms(finish),
-                                      layer, expert, nbytes, phase=f"queued {queued:.3f} ms"))
+                                      layer, expert, nbytes, queued_ms=(start - submitted) * 1e3))
 
     def rows(self) -> list[dict[str, Any]]:
         return [e.as_row() for e in sorted(self.events, key=lambda e: (e.window, e.start_ms))]
@@ -125,7 +125,7 @@ def window_limits(tracer: WindowTracer, capacity: dict[int, int], load_ms: float
         draft_end = draft_start + D
         busy_in_draft = sum(max(0.0, min(e.end_ms, draft_end) - max(e.start_ms, draft_start))
                             for e in evs if e.event == "copy")
-        queued = sum(float(e.phase.split()[1]) for e in evs if e.event == "copy" and e.phase.startswith("queued"))
+        queued = sum(e.queued_ms for e in evs if e.event == "copy")
         out.append({
             "window": info.window, "K": info.K, "accepted": info.accepted,
             "actual_ms": actual, "limit_ms": limit, "ratio": actual / limit if limit > 0 else None,
