@@ -26,11 +26,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.compose import CONF_DIR
-from specter.harness.config import ConfigError, effective_K, resident_experts
-from specter.harness.methods import OffloadAR, auto_staging
-from specter.harness.runtime import resize_cache, scratch_bytes
+from specter.harness.config import ConfigError, effective_K
+from specter.harness.methods import Method, OffloadAR, auto_staging
+from specter.harness.runtime import build_runtime, final_runtime, scratch_bytes
 from specter.harness.schema import SpecterMethodConfig
 from specter.offload.runtime import Runtime
+from specter.spec import MethodSpec
 from specter.quant.draft import build_draft
 
 
@@ -39,11 +40,11 @@ class MixtralOffloading(OffloadAR):
 
     name = "mo_sc"
 
-    def __init__(self, cfg: DictConfig, checkpoint: Path):
+    def make_spec(self, cfg: DictConfig) -> MethodSpec:
         staging = cfg.method.staging_buffers
         if not isinstance(staging, int) or staging < 0:
             raise ConfigError(f"method.staging_buffers must be an integer >= 0, got {staging!r}")
-        super().__init__(cfg, checkpoint, staging=staging)
+        return super().make_spec(cfg)
 
     def environment(self) -> dict[str, Any]:
         return {**super().environment(), "staging_buffers": self.rt.cache.staging}
@@ -55,10 +56,11 @@ class MixtralOffloadingSM(MixtralOffloading):
     name = "mo_sm"
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
-        super().__init__(cfg, checkpoint)  # the tier's M first: the model is loaded once
-        rt = self.rt
+        Method.__init__(self, cfg, checkpoint)
+        spec = self.spec
+        rt = build_runtime(spec, checkpoint, staging=spec.staging)  # the tier's M first: the model is loaded once
         try:
-            self.derivation = same_memory_residents(rt, K=effective_K(cfg), specter_resident=resident_experts(cfg),
+            self.derivation = same_memory_residents(rt, K=effective_K(cfg), specter_resident=spec.resident,
                                                     prefix_tokens=cfg.prefix_tokens,
                                                     max_new_tokens=cfg.max_new_tokens)
             preset = (cfg.method.get("presets") or {}).get(cfg.model.name, {}).get(cfg.memory.name)
@@ -68,11 +70,10 @@ class MixtralOffloadingSM(MixtralOffloading):
                                        f"method.presets.{cfg.model.name}" if preset is not None else "derived"}
             if not isinstance(M, int) or not 1 <= M <= rt.om.num_experts:
                 raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {cfg.model.name} has {rt.om.num_experts}")
-            self.rt = resize_cache(rt, M)
+            self.rt = final_runtime(rt, M, spec.staging, what=f"{cfg.model.name} mo_sm at memory={cfg.memory.name} (M={M})")
         except BaseException:
             rt.close()
             raise
-        self.rt.enforce_budget(f"{cfg.model.name} mo_sm at memory={cfg.memory.name} (M={M})")
         self.derivation["used"]["footprint_bytes"] = self.rt.footprint.total
 
     def environment(self) -> dict[str, Any]:

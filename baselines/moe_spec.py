@@ -1,8 +1,9 @@
 """MoE-Spec (McDanel et al., 2026) verification-time expert budgeting on Specter: `method=moe_spec`.
 
 Specter's speculative engine unchanged, except in each verification pass: per MoE layer, rank the
-experts by routing weight summed over the pass's tokens and keep the top B (`method.budget`); a
-route to a dropped expert is
+experts by their full-softmax routing probability summed over ALL of the pass's tokens (MoE-Spec's
+Algorithm 1: ``score_e = Σ_t softmax(router_logits_t)_e``) and keep the top B (`method.budget`);
+a route to a dropped expert is
 
     truncate    removed, and the token's kept weights rescaled to its original total weight
     substitute  sent to the best-ranked kept expert the token does not already use, same weight
@@ -12,16 +13,17 @@ Fewer distinct experts per window means fewer loads, at the cost of acceptance a
 quality: the method is lossy and is not held to token equality. Its records carry, computed after
 generation and outside timing, `first_divergence` and `token_match_fraction` against target-only
 greedy decoding of the same prompt, and `target_nll`, the target's mean negative log-likelihood of
-the generated tokens. With B at least the distinct experts of every pass nothing is dropped and the
-method is Specter exactly. The prefill is not a verification and runs the full router.
+the generated tokens. A pass whose routed experts are all among the top B is left untouched, and
+with B = E nothing is ever dropped: the method is Specter exactly. The prefill is not a
+verification and runs the full router.
 
-Ranking uses the weights the router hands to the experts (its top-k probabilities; Phi's
-sparsemixer multipliers), i.e. each expert's routing probability summed over the tokens that
-select it: an expert no token selects is never kept, so the budget is never spent on one.
+The budget also caps the planner: a verification computes at most B experts per layer, so a
+window's plan keeps at most min(M + staging share, B) experts per layer (`plan_cap`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,37 +33,58 @@ from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError
 from specter.harness.methods import Specter
+from specter.models.arch import moe_blocks
+from specter.spec import MethodSpec
 from specter.speculative.autoregressive import generate_autoregressive
-from specter.speculative.engine import SpeculativeEngine
-from specter.speculative.state import SequenceState
 
 BUDGET_MODES = ("truncate", "substitute")
 
 
 class ExpertBudget:
-    """The `expert_filter` of a verification pass: keep each layer's top-B experts by routing weight."""
+    """The verifier's expert filter: keep each layer's top-B experts by summed full-softmax probability.
+
+    The router probabilities come from forward hooks on the model's routers (`watch`), or are
+    passed in (``router_probs [T, E]``)."""
 
     def __init__(self, budget: int, mode: str, num_experts: int):
         if mode not in BUDGET_MODES:
             raise ValueError(f"unknown budget mode {mode!r}; choose one of {BUDGET_MODES}")
         self.budget, self.mode, self.num_experts = budget, mode, num_experts
-        self.active = True  # off during the prefill (set by BudgetedEngine)
+        self.router_logits: dict[int, torch.Tensor] = {}  # MoE layer -> its router's last logits [T, E]
 
-    def __call__(self, layer: int, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        E, B = self.num_experts, self.budget
-        if not self.active:
+    def watch(self, model: torch.nn.Module) -> None:
+        """Keep every MoE layer's router logits as the router computes them (read by the filter)."""
+        for layer, block in moe_blocks(model).items():
+            router = block.gate if hasattr(block, "gate") else block.router
+            router.register_forward_hook(self._recorder(layer))
+
+    def _recorder(self, layer: int):
+        def record(module, args, out) -> None:
+            self.router_logits[layer] = out[0] if isinstance(out, tuple) else out  # [T, E]
+        return record
+
+    def ranking(self, router_probs: torch.Tensor) -> torch.Tensor:
+        """The top-B expert ids of a pass ``[B]``, by ``Σ_t router_probs[t, e]``; ties go to the lower id."""
+        score = router_probs.float().sum(0)  # [E]
+        return torch.sort(score, descending=True, stable=True).indices[: self.budget]
+
+    def __call__(self, layer: int, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                 router_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        E = self.num_experts
+        if self.budget >= E:
             return topk_idx, topk_w
-        score = torch.zeros(E + 1, dtype=torch.float32, device=topk_w.device)  # [E+1]; E = "no expert"
-        score.index_add_(0, topk_idx.reshape(-1), topk_w.reshape(-1).float())
-        used = torch.zeros(E + 1, dtype=torch.bool, device=topk_idx.device).index_fill_(0, topk_idx.reshape(-1), True)
-        used[E] = False
-        if int(used.sum()) <= B:
-            return topk_idx, topk_w  # nothing to drop: exactly the unbudgeted pass
-        score = torch.where(used, score, torch.full_like(score, -1.0))
-        ranked = torch.sort(score[:E], descending=True, stable=True).indices[:B]  # [B], ties -> lower id
-        kept = torch.zeros(E + 1, dtype=torch.bool, device=topk_idx.device)
-        kept[ranked] = True
+        if router_probs is None:
+            logits = self.router_logits.pop(layer, None)
+            if logits is None or logits.shape[0] != topk_idx.shape[0]:
+                raise RuntimeError(f"layer {layer}: no router logits for the {topk_idx.shape[0]} routed tokens "
+                                   "(call watch(model) before decoding)")
+            router_probs = F.softmax(logits.float(), dim=-1)  # [T, E], the full softmax
+        ranked = self.ranking(router_probs)  # [B]
+        kept = torch.zeros(E + 1, dtype=torch.bool, device=topk_idx.device)  # [E+1]; E = "no expert"
+        kept[ranked.to(topk_idx.device)] = True
         keep = kept[topk_idx]  # [T, k]
+        if bool(keep.all()):
+            return topk_idx, topk_w  # every routed expert is kept: exactly the unbudgeted pass
         if self.mode == "truncate":
             w = topk_w * keep  # [T, k]
             total, kept_sum = topk_w.sum(-1, keepdim=True), w.sum(-1, keepdim=True)  # [T, 1]
@@ -82,19 +105,10 @@ class ExpertBudget:
         return torch.tensor(idx, dtype=topk_idx.dtype, device=topk_idx.device), w
 
 
-class BudgetedEngine(SpeculativeEngine):
-    """Specter's engine; the budget applies to target passes after the prefill (the verifications)."""
-
-    def _target(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        self.expert_filter.active = state.committed_kv > 0
-        return super()._target(ids, state)
-
-
 class MoESpec(Specter):
     """Specter with MoE-Spec's verification-time expert budget."""
 
     name = "moe_spec"
-    engine_class = BudgetedEngine
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         m, E = cfg.method, int(cfg.model.num_experts)
@@ -108,12 +122,15 @@ class MoESpec(Specter):
                               "first_divergence, token_match_fraction and target_nll instead)")
         self.budget = ExpertBudget(B, m.budget_mode, E)
         super().__init__(cfg, checkpoint)
-        # A verification uses at most B experts per layer: the planner predicts no more than that.
-        self.engine.capacity = {layer: min(c, B) for layer, c in self.engine.capacity.items()}
+        self.budget.watch(self.rt.model)
         self._references: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def expert_filter(self) -> ExpertBudget:
         return self.budget
+
+    def make_spec(self, cfg: DictConfig) -> MethodSpec:
+        """Specter's spec; a verification computes at most B experts per layer, so the plan keeps no more."""
+        return replace(super().make_spec(cfg), plan_cap=self.budget.budget)
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         gen = super().generate(prompt_ids, max_new_tokens, generator)  # the clock stops at the last commit

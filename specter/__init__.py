@@ -1,4 +1,17 @@
-"""Specter: fast single-GPU MoE inference with offloaded experts and a shared-instance INT4 draft."""
+"""Specter: fast single-GPU MoE inference with offloaded experts and a shared-instance INT4 draft.
+
+How a run is assembled (the config stops at the spec; the engine takes typed values only)::
+
+    CLI / compose ──► DictConfig ──► harness.runtime.method_spec ──► MethodSpec (frozen; env.json "spec")
+                                                                        │ a baseline: replace(spec, ...)
+    Method (harness.methods) ── build_runtime(spec) ── draft ── final_runtime(rt, M, staging, draft)
+                                                                        │ Runtime (frozen)
+    SpeculativeEngine / BatchedSpeculativeEngine(rt, spec values,
+        drafter=SharedDrafter | SeparateDrafter, planner=PrefetchPlanner subclass, expert_filter=...)
+
+    one window: drafter drafts K ─► planner boundaries b_i: ELB top-M plan ─► prefetch ─► verify K+1
+                (expert filter on verification passes) ─► accept ─► commit
+"""
 
 import logging as _logging
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from specter.offload.residency import expert_wise_moe, group_by_expert, token_wise_moe
+from specter.kernels.reference import expert_ffn, grouped_moe
+from specter.offload.residency import expert_wise_moe, token_wise_moe
 
 if TYPE_CHECKING:
     from specter.offload.cache import ExpertCache
@@ -143,12 +144,10 @@ class SpecterExperts(torch.nn.Module):
 
 def host_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, layer: int, store, act_fn) -> torch.Tensor:
     """Routed experts computed from host-store views, HF's order; bypasses the device cache."""
-    from specter.kernels.reference import expert_ffn
     from specter.offload.store import ExpertUID
 
-    final = torch.zeros_like(x)  # [T, H]
-    for e, tok, pos in group_by_expert(topk_idx, store.num_experts):
+    def ffn(e: int, xs: torch.Tensor) -> torch.Tensor:
         gate_up, down = (w.to(x.device) for w in store.views(ExpertUID(layer, e)))
-        y = expert_ffn(x[tok], gate_up, down, act_fn) * topk_w[tok, pos, None]  # [n, H]
-        final.index_add_(0, tok, y.to(final.dtype))
-    return final
+        return expert_ffn(xs, gate_up, down, act_fn)  # [n, H]
+
+    return grouped_moe(x, topk_idx, topk_w, store.num_experts, ffn)

@@ -204,7 +204,7 @@ def test_specmoeoff_draft_is_separate_and_paid_for(tiny_checkpoint):
         assert m.static_fields()["K"] == 3 and env["prefetch_steps"] == [1]  # int(0.6) = 0 has no routes yet
         gen = m.generate(PROMPTS[0], 12, torch.Generator().manual_seed(0))
         assert gen.stats["prefetch_recall"] is not None  # the route-frequency plan was scored
-        assert m.engine._draft_cache.get_seq_length() <= PROMPTS[0].shape[1] + 12  # its own KV, cropped
+        assert m.drafter.cache.get_seq_length() <= PROMPTS[0].shape[1] + 12  # its own KV, cropped
     finally:
         m.close()
 
@@ -213,17 +213,57 @@ def test_specmoeoff_draft_is_separate_and_paid_for(tiny_checkpoint):
 def test_expert_budget_truncate_and_substitute_by_hand():
     E = 6
     idx = torch.tensor([[0, 1], [0, 2], [3, 1]])  # [T, k]
-    w = torch.tensor([[0.5, 0.3], [0.4, 0.4], [0.1, 0.2]])  # scores: e0 .9, e1 .5, e2 .4, e3 .1
-    same = ExpertBudget(4, "truncate", E)(0, idx, w)
-    assert same[0] is idx and same[1] is w  # 4 distinct experts fit: untouched
-    t_idx, t_w = ExpertBudget(2, "truncate", E)(0, idx, w)  # keep e0, e1
+    w = torch.tensor([[0.5, 0.3], [0.4, 0.4], [0.1, 0.2]])  # [T, k]
+    probs = torch.zeros(3, E).scatter_(1, idx, w)  # [T, E]; summed: e0 .9, e1 .5, e2 .4, e3 .1
+    same = ExpertBudget(4, "truncate", E)(0, idx, w, probs)
+    assert same[0] is idx and same[1] is w  # every routed expert is in the top 4: untouched
+    t_idx, t_w = ExpertBudget(2, "truncate", E)(0, idx, w, probs)  # keep e0, e1
     assert t_idx.tolist() == [[0, 1], [0, E], [E, 1]]
     torch.testing.assert_close(t_w, torch.tensor([[0.5, 0.3], [0.8, 0.0], [0.0, 0.3]]))  # token totals kept
-    s_idx, s_w = ExpertBudget(2, "substitute", E)(0, idx, w)
+    s_idx, s_w = ExpertBudget(2, "substitute", E)(0, idx, w, probs)
     assert s_idx.tolist() == [[0, 1], [0, 1], [0, 1]]  # each dropped route -> best kept one not yet used
     torch.testing.assert_close(s_w, w)
-    s_idx, s_w = ExpertBudget(1, "substitute", E)(0, idx, w)  # only e0 kept
+    s_idx, s_w = ExpertBudget(1, "substitute", E)(0, idx, w, probs)  # only e0 kept
     assert s_idx.tolist() == [[0, E], [0, E], [0, E]] and s_w[:, 1].tolist() == [0, 0, 0] and s_w[2, 0] == 0.1
+
+
+def test_expert_budget_ranks_by_the_full_softmax_over_every_token():
+    """MoE-Spec's Algorithm 1: score_e = Σ_t softmax(logits_t)_e, not the selected top-k weights.
+    Here no token selects e1, yet it carries the most probability mass, so a budget of 1 keeps it."""
+    E = 4
+    probs = torch.tensor([[0.50, 0.45, 0.05, 0.00], [0.00, 0.45, 0.55, 0.00]])  # [T, E]
+    w, idx = probs.topk(1, dim=-1)  # [T, 1]: token 0 -> e0, token 1 -> e2; summed top-k weights rank e2 first
+    budget = ExpertBudget(1, "substitute", E)
+    assert budget.ranking(probs).tolist() == [1]
+    s_idx, s_w = budget(0, idx, w, probs)
+    assert s_idx.tolist() == [[1], [1]] and torch.equal(s_w, w)
+    logits = torch.log(probs.clamp_min(1e-9))  # the router's logits, as the forward hook records them
+    budget.router_logits[0] = logits
+    assert budget(0, idx, w)[0].tolist() == [[1], [1]]
+
+
+def test_moe_spec_budget_reaches_the_planner(tiny_checkpoint):
+    """The plan of every window keeps at most B experts per layer (the budget caps the plan's capacity)."""
+    m = build_method(_cfg("tiny_dsv2", "low", "moe_spec", "method.quant=rtn", "K=8", "method.budget=1"),
+                     tiny_checkpoint("tiny_dsv2"))
+    try:
+        assert m.rt.cache.staging > 0 or m.rt.resident > 1  # uncapped, the plan would keep more than one
+        assert set(m.engine.plan_capacity.values()) == {1}
+        claimed = []
+        planner = m.engine.planner
+        on_boundary = planner.on_boundary
+
+        def spy(step, plan, resident, pending, capacity):
+            decision = on_boundary(step, plan, resident, pending, capacity)
+            claimed.append(max(len(c) for c in planner.claimed.values()))
+            assert all(len(experts) <= 1 for experts in plan.values()) and set(capacity.values()) == {1}
+            return decision
+
+        planner.on_boundary = spy
+        m.generate(PROMPTS[0], N, torch.Generator().manual_seed(0))
+        assert claimed and max(claimed) == 1
+    finally:
+        m.close()
 
 
 def test_moe_spec_unbinding_budget_is_specter_and_a_small_one_loads_less(tiny_checkpoint):

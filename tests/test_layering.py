@@ -95,3 +95,73 @@ def test_no_import_cycle():
     engine = [m for m in graph if m.split(".")[1] in ENGINE_PACKAGES + ENGINE_MODULES]
     leaks = {m: sorted(d for d in graph[m] if d.startswith("specter.harness")) for m in engine}
     assert not any(leaks.values()), leaks
+
+
+# ------------------------------------------------------------------------------------ public names only
+SCANNED = ("baselines", "specter/harness")  # methods are assembled from the engine's public extension points
+OTHER_LIBRARIES = ("torch", "sys", "os", "np", "F", "importlib", "tqdm", "plt", "pd")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _scanned_files() -> list[tuple[str, Path]]:
+    out = []
+    for folder in SCANNED:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            mod = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            out.append((mod, path))
+    return out
+
+
+def _private_uses(path: Path) -> list[str]:
+    """Underscore names imported from specter, or read/written on anything but `self`/`cls` (an
+    engine's or another object's private state)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specter"):
+            found += [f"line {node.lineno}: imports {node.module}.{a.name}" for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls", *OTHER_LIBRARIES):
+                continue
+            found.append(f"line {node.lineno}: uses .{node.attr} of {ast.unparse(owner)}")
+    return found
+
+
+def _overrides(mod: str, path: Path) -> list[str]:
+    """Underscore methods or `self._x` state a class here shares with a specter base class it extends."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(mod)
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        cls = getattr(module, node.name, None)
+        if not inspect.isclass(cls):
+            continue
+        bases = [b for b in cls.__mro__[1:] if b.__module__.startswith("specter") and b.__module__ != mod]
+        if not bases:
+            continue
+        sources = [inspect.getsource(b) for b in bases]
+        names = {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        names |= {t.attr for t in ast.walk(node) if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)
+                  and isinstance(t.value, ast.Name) and t.value.id == "self"}
+        for name in sorted(n for n in names if _private(n)):
+            if any(f"def {name}(" in src or f"self.{name}" in src for src in sources):
+                found.append(f"{node.name}.{name} overrides {bases[0].__module__}.{bases[0].__name__}'s private {name}")
+    return found
+
+
+def test_baselines_and_harness_use_only_public_engine_names():
+    """No module under baselines/ or specter/harness/ imports, reads, writes or overrides an
+    underscore name of another specter module: methods are a spec plus the public pieces they swap
+    (drafter, planner, expert filter), never a subclass reaching into private hooks."""
+    problems = {}
+    for mod, path in _scanned_files():
+        found = _private_uses(path) + _overrides(mod, path)
+        if found:
+            problems[mod] = found
+    assert not problems, problems

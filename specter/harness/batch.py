@@ -34,13 +34,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specter.harness.config import ConfigError, resident_experts, validate
-from specter.harness.datasets import expand_datasets, load_prompt_set
+from specter.harness.config import ConfigError, validate
 from specter.harness.methods import Method, build_method
 from specter.harness.output import check_weights, run_folder, write_environment
 from specter.harness.records import RecordWriter, record_key, text_digest, token_digest
-from specter.harness.run import _tokenize, provenance_of, record_seed
-from specter.harness.runtime import device_and_dtype, model_checkpoint
+from specter.harness.run import environment_of, prepare, provenance_of, record_seed
 from specter.offload.budget import MB, Footprint
 from specter.speculative.batched import BatchRun
 from specter.speculative.sampling import make_generator
@@ -200,14 +198,9 @@ def size_config(cfg: DictConfig, B: int) -> DictConfig:
 
 def run_batch(cfg: DictConfig) -> Path:
     validate(cfg)
-    resident_experts(cfg)
-    device_and_dtype(cfg)
     sizes = batch_sizes(cfg)
-    datasets = expand_datasets(cfg.dataset.name)
-    pool = prompt_pool(cfg, sizes)
-    prompt_sets = {ds: load_prompt_set(ds, pool, cfg.assets_dir, allow_hub=cfg.allow_hub) for ds in datasets}
-    checkpoint = model_checkpoint(cfg)
-    prompt_ids = _tokenize(cfg, checkpoint, prompt_sets)
+    prep = prepare(cfg, prompt_pool(cfg, sizes))  # the same checks and prompts as `run`, before any model loads
+    datasets, prompt_sets, checkpoint, prompt_ids = prep.datasets, prep.prompt_sets, prep.checkpoint, prep.prompt_ids
     root = Path(cfg.output_dir)
     todo = {B: [(ds, r) for ds in datasets for r in range(cfg.repeats)
                 if not _finished(root / f"B={B}" / "batch.csv", ds, r)] for B in sizes}
@@ -263,9 +256,8 @@ def _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo: dict[int, list[tupl
                 records = RecordWriter(out / "records.csv")
                 check_weights(out, digest, records.finished)
                 fp = footprint_at(method, B)
-                write_environment(out, {"method": method.environment(), "checkpoint": str(checkpoint),
-                                        "weights_sha256": digest, "batch_size": B,
-                                        "batch_footprint_bytes": fp.__dict__ if fp else None})
+                write_environment(out, environment_of(method, checkpoint, digest, batch_size=B,
+                                                      batch_footprint_bytes=fp.__dict__ if fp else None))
                 table = BatchTable(out / "batch.csv")
                 for ds, r in todo[B]:
                     if table.is_done(ds, r):

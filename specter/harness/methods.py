@@ -9,26 +9,28 @@ method is a config file plus a class: nothing here lists them.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError, effective_K
-from specter.harness.runtime import build_runtime, device_and_dtype, gptq_draft_for, resize_cache
+from specter.harness.config import ConfigError
+from specter.harness.runtime import build_runtime, final_runtime, gptq_draft_for, method_spec
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
 from specter.predict.oracle import oracle_bytes
-from specter.predict.planner import PlannerConfig
-from specter.quant.draft import build_draft, draft_forward
+from specter.offload.runtime import Runtime
+from specter.predict.planner import PrefetchPlanner
+from specter.quant.draft import build_draft
+from specter.spec import MethodSpec
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.batched import BatchedAutoregressive, BatchedSpeculativeEngine, BatchRun
+from specter.speculative.drafter import SharedDrafter
 from specter.speculative.engine import SpeculativeEngine
-from specter.speculative.sampling import SamplingParams
 
 
 @dataclass
@@ -49,8 +51,13 @@ class Method:
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         self.cfg = cfg
         self.checkpoint = checkpoint
-        self.device, self.dtype = device_and_dtype(cfg)
-        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        self.spec: MethodSpec = self.make_spec(cfg)  # the config, read once; everything below is built from it
+        self.device, self.dtype = self.spec.torch_device, self.spec.torch_dtype
+        self.params = self.spec.sampling
+
+    def make_spec(self, cfg: DictConfig) -> MethodSpec:
+        """This method's spec: the config's, with the method's own fields (a baseline replaces some)."""
+        return method_spec(cfg)
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator) -> Generation:
         raise NotImplementedError
@@ -70,6 +77,11 @@ class Method:
     def static_fields(self) -> dict[str, Any]:
         """Record columns that are the same for every record of this method."""
         return {}
+
+    def final_spec(self) -> MethodSpec:
+        """The spec as built: cache sizes a method derives once its model is loaded filled in."""
+        rt = getattr(self, "rt", None)
+        return self.spec if rt is None else replace(self.spec, resident=rt.resident, staging=rt.cache.staging)
 
     def environment(self) -> dict[str, Any]:
         """Parameters worth recording in env.json (e.g. the emulated link)."""
@@ -122,10 +134,10 @@ class OffloadAR(Method):
 
     name = "offload_ar"
 
-    def __init__(self, cfg: DictConfig, checkpoint: Path, resident: int | None = None, staging: int = 0):
+    def __init__(self, cfg: DictConfig, checkpoint: Path):
         super().__init__(cfg, checkpoint)
-        self.rt = build_runtime(cfg, checkpoint, resident=resident, staging=staging)
-        self.rt.enforce_budget(f"{cfg.model.name} {cfg.method.name} at memory={cfg.memory.name} (M={self.rt.resident})")
+        self.rt = build_runtime(self.spec, checkpoint, staging=self.spec.staging)
+        self.rt.check_budget(self.spec.describe())
 
     def reset(self) -> None:
         self.rt.cache.reset()  # initial residents, counters cleared; outside timing
@@ -165,58 +177,65 @@ class Specter(Method):
     """Speculative decoding: shared-instance INT4 draft, ELB-driven prefetch, expert-wise verification."""
 
     name = "specter"
-    engine_class: type[SpeculativeEngine] = SpeculativeEngine  # a variant may refine the iteration (e.g. moe_spec)
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         super().__init__(cfg, checkpoint)
-        m = cfg.method
-        self.K = effective_K(cfg)
-        self.rt = build_runtime(cfg, checkpoint, K=self.K)
-        self.quant = m.quant
-        packed, self.draft_info = None, {}
+        spec = self.spec
+        self.K, self.quant = spec.K, spec.quant
+        rt = build_runtime(spec, checkpoint)  # the tier's M; its final size once the draft's bytes are known
         try:
-            if self.quant == "gptq":
-                packed, self.draft_info = gptq_draft_for(cfg, self.rt, checkpoint)
-            self.kernel_choice = select_draft_kernel(cfg.hardware.draft_kernel, self.device, self.dtype)
-            self.draft = build_draft(self.rt.om, self.quant, self.device, self.dtype, packed_layers=packed,
-                                     kernel=self.kernel_choice.selected)
+            draft = self.build_draft_experts(rt)
+            rt.check_budget(spec.describe())  # the M slots beside the draft, before any staging buffer
+            staging = self.staging_buffers(rt)
+            self.rt = final_runtime(rt, spec.resident, staging, draft=draft, draft_bytes=self.draft_bytes,
+                                    what=spec.describe())
         except BaseException:
-            self.rt.close()
+            rt.close()
             raise
-        self.draft_bytes = sum(d.nbytes for d in self.draft.values())
-        what = f"{cfg.model.name} {m.name} at memory={cfg.memory.name} (M={self.rt.resident})"
-        self.rt.enforce_budget(what, draft_bytes=self.draft_bytes)
-        staging = self.staging_buffers()
-        if staging:
-            self.rt = resize_cache(self.rt, self.rt.resident, staging=staging)
-            self.rt.enforce_budget(f"{what} with {staging} staging buffers", draft_bytes=self.draft_bytes)
-        self.rt.moe.draft, self.rt.moe.draft_forward = self.draft, draft_forward
-        self.engine = self.engine_class(self.rt, self.K, self.params, prefetch=m.prefetch,
-                                        planner_config=PlannerConfig(**(m.get("planner") or {})),
-                                        planner_state=m.planner_state, expert_filter=self.expert_filter())
-        self.verify = bool(cfg.verify_lossless) and self.params.temperature == 0
-        self.tie_tolerance = float(cfg.get("lossless_tie_tolerance", 0.0))
+        self.engine = self.make_engine(SpeculativeEngine)
+        self.verify = spec.verify_lossless and self.params.temperature == 0
+        self.tie_tolerance = spec.tie_tolerance
+
+    def build_draft_experts(self, rt: Runtime) -> dict:
+        """The INT4 draft experts of `rt`'s model (GPTQ calibrated through `rt`, or RTN); sets
+        `draft_bytes`, `draft_info` and `kernel_choice`."""
+        packed, self.draft_info = gptq_draft_for(self.cfg, rt, self.checkpoint) if self.quant == "gptq" else (None, {})
+        self.kernel_choice = select_draft_kernel(self.spec.draft_kernel, self.device, self.dtype)
+        draft = build_draft(rt.om, self.quant, self.device, self.dtype, packed_layers=packed,
+                            kernel=self.kernel_choice.selected)
+        self.draft_bytes = sum(d.nbytes for d in draft.values())
+        return draft
+
+    def make_engine(self, cls: type[SpeculativeEngine]) -> SpeculativeEngine:
+        """This method's engine (single-request or batched) from its spec and the pieces it swaps."""
+        s = self.spec
+        return cls(self.rt, s.K, s.sampling, prefetch=s.prefetch, planner_config=s.planner,
+                   planner_state=s.planner_state, expert_filter=self.expert_filter(), plan_cap=s.plan_cap,
+                   planner=self.planner(), drafter=self.drafter())
 
     def expert_filter(self):
         """Verification-time expert filter (None: every routed expert is computed, lossless)."""
         return None
 
-    def staging_buffers(self) -> int:
-        """Staging buffers beyond the M slots: `method.staging_buffers`, or (null) `auto_staging`."""
-        m = self.cfg.method
-        if m.get("staging_buffers") is not None:
-            if m.staging_buffers < 0:
-                raise ConfigError(f"method.staging_buffers must be >= 0 (or null = fit the budget), got {m.staging_buffers}")
-            return int(m.staging_buffers)
-        fp = self.rt.footprint
+    def planner(self) -> PrefetchPlanner | None:
+        """A planner object replacing the spec's named prefetch policy (None: the named one)."""
+        return None
+
+    def drafter(self) -> SharedDrafter | None:
+        """The drafter (None: the shared-instance INT4 draft)."""
+        return None
+
+    def staging_buffers(self, rt: Runtime) -> int:
+        """Staging buffers beyond the M slots: the spec's count, or (None) `auto_staging`."""
+        if self.spec.staging is not None:
+            return self.spec.staging
+        fp = replace(rt.footprint, draft_experts=self.draft_bytes)
         per_request = fp.kv_cache + fp.scratch
         # experiment=batch: leave the KV cache and scratch of the largest batch size that fits (one
         # device layout for every size, so its batch-size curve measures batching alone)
-        sizes = list(self.cfg.batch.sizes) if self.cfg.get("experiment") == "batch" else [1]
-        batch = max([b for b in sizes if fp.total + (b - 1) * per_request <= self.rt.budget_bytes], default=1)
-        headroom = self.rt.budget_bytes - fp.total - (batch - 1) * per_request
-        return auto_staging(headroom, self.rt.om.store.nbytes_per_expert, len(self.rt.om.moe_layers),
-                            float(m.get("staging_per_layer", 1.2)))
+        batch = max([b for b in self.spec.batch_sizes if fp.total + (b - 1) * per_request <= rt.budget_bytes], default=1)
+        headroom = rt.budget_bytes - fp.total - (batch - 1) * per_request
+        return auto_staging(headroom, rt.om.store.nbytes_per_expert, len(rt.om.moe_layers), self.spec.staging_per_layer)
 
     def reset(self) -> None:
         self.rt.cache.reset()
@@ -230,15 +249,8 @@ class Specter(Method):
             self.batch_engine.mark_warm()
 
     def make_batch_engine(self) -> BatchedSpeculativeEngine:
-        """The batched form of this method's engine, over the same runtime (a variant that changes the
-        iteration overrides this, or has no batched decoding)."""
-        if type(self.engine) is not SpeculativeEngine:
-            raise ConfigError(f"method {self.name!r} has no batched decoding "
-                              f"(its engine {type(self.engine).__name__} has no batched form)")
-        m = self.cfg.method
-        return BatchedSpeculativeEngine(self.rt, self.K, self.params, prefetch=m.prefetch,
-                                        planner_config=PlannerConfig(**(m.get("planner") or {})),
-                                        planner_state=m.planner_state, expert_filter=self.expert_filter())
+        """The batched form of this method's engine, over the same runtime and pieces."""
+        return self.make_engine(BatchedSpeculativeEngine)
 
     def generate_batch(self, prompts, max_new_tokens, generators):
         if getattr(self, "batch_engine", None) is None:
@@ -251,7 +263,7 @@ class Specter(Method):
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         clock = CommitClock()
-        self.engine.trace_windows = bool(self.cfg.method.get("trace_windows"))
+        self.engine.trace_windows = bool(self.cfg.method.get("trace_windows"))  # measurement only, not the spec
         tokens, stats = self.engine.generate(prompt_ids, max_new_tokens, generator, clock)
         artifacts = {"routes": self.engine.route_log.rows()}
         if self.engine.tracer is not None:
@@ -287,9 +299,8 @@ class Specter(Method):
         )
 
     def static_fields(self) -> dict[str, Any]:
-        m = self.cfg.method
-        return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.schedule, "prefetch": m.prefetch,
-                "resident_experts": self.rt.resident}
+        return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.schedule,
+                "prefetch": self.engine.prefetch, "resident_experts": self.rt.resident}
 
     def environment(self) -> dict[str, Any]:
         return {**self.rt.environment(), "K": self.K, "draft_quant": self.quant, "draft_bytes": self.draft_bytes,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -20,7 +22,7 @@ from tqdm.auto import tqdm
 from specter.harness.artifacts import write_artifacts
 from specter.harness.config import ConfigError, resident_experts, validate
 from specter.harness.datasets import DatasetFormatError, PromptSet, expand_datasets, load_prompt_set
-from specter.harness.methods import build_method
+from specter.harness.methods import Method, build_method
 from specter.harness.output import check_weights, run_folder, write_environment
 from specter.harness.records import RecordWriter, text_digest, token_digest
 from specter.harness.runtime import device_and_dtype, model_checkpoint
@@ -44,17 +46,38 @@ def provenance_of(prompt_sets: dict[str, PromptSet]) -> dict:
                          for ds, ps in prompt_sets.items()}}
 
 
-def run(cfg: DictConfig) -> Path:
+@dataclass(frozen=True)
+class Prepared:
+    """What every protocol (run, run_batch) checks and loads before any model: prompts, checkpoint, ids."""
+
+    datasets: list[str]
+    prompt_sets: dict[str, PromptSet]
+    checkpoint: Path
+    prompt_ids: dict[str, list[list[int]]]
+
+
+def prepare(cfg: DictConfig, num_prompts: int) -> Prepared:
+    """Validate the config and the device, load the first `num_prompts` prompts of every dataset,
+    resolve the checkpoint and tokenize: every failure here comes before a model loads."""
     validate(cfg)
     resident_experts(cfg)
     device_and_dtype(cfg)  # a missing GPU is reported before anything loads
     datasets = expand_datasets(cfg.dataset.name)
-    prompt_sets = {  # first N, fixed
-        ds: load_prompt_set(ds, cfg.num_prompts, cfg.assets_dir, allow_hub=cfg.allow_hub) for ds in datasets
-    }
-    prompts = {ds: ps.texts for ds, ps in prompt_sets.items()}
+    prompt_sets = {ds: load_prompt_set(ds, num_prompts, cfg.assets_dir, allow_hub=cfg.allow_hub) for ds in datasets}
     checkpoint = model_checkpoint(cfg)
-    prompt_ids = _tokenize(cfg, checkpoint, prompt_sets)
+    return Prepared(datasets, prompt_sets, checkpoint, tokenize_prompts(cfg, checkpoint, prompt_sets))
+
+
+def environment_of(method: Method, checkpoint: Path, digest: str, **extra: Any) -> dict[str, Any]:
+    """env.json's method part: the spec the method was built from, its own parameters, the weights."""
+    return {"spec": method.final_spec().record(), "method": method.environment(), "checkpoint": str(checkpoint),
+            "weights_sha256": digest, **extra}
+
+
+def run(cfg: DictConfig) -> Path:
+    prep = prepare(cfg, cfg.num_prompts)  # first N, fixed
+    datasets, prompt_sets, checkpoint, prompt_ids = prep.datasets, prep.prompt_sets, prep.checkpoint, prep.prompt_ids
+    prompts = {ds: ps.texts for ds, ps in prompt_sets.items()}
     with run_folder(cfg, provenance_of(prompt_sets)) as out:
         writer = RecordWriter(out / "records.csv")
         base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
@@ -75,7 +98,7 @@ def run(cfg: DictConfig) -> Path:
     return out
 
 
-def _tokenize(cfg: DictConfig, checkpoint: Path, prompt_sets: dict[str, PromptSet]) -> dict[str, list[list[int]]]:
+def tokenize_prompts(cfg: DictConfig, checkpoint: Path, prompt_sets: dict[str, PromptSet]) -> dict[str, list[list[int]]]:
     """Prompt token ids, truncated to the prefix; a prompt with no token is a dataset error, found early."""
     from transformers import AutoTokenizer
 
@@ -111,9 +134,8 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
     check_weights(out, digest, writer.finished)
     method = build_method(cfg, checkpoint)
     try:
-        write_environment(out, {"method": method.environment(), "checkpoint": str(checkpoint),
-                                "weights_sha256": digest, "method_config": OmegaConf.to_container(cfg.method, resolve=True),
-                                "rejected_rows": len(writer.rejected)})
+        write_environment(out, environment_of(method, checkpoint, digest, rejected_rows=len(writer.rejected),
+                                              method_config=OmegaConf.to_container(cfg.method, resolve=True)))
         device = method.device
 
         def encode(ds: str, i: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Assemble the offloading runtime for a run from its composed config.
 
-This is the harness's boundary: it reads the config once and hands the engine typed values
-(devices, dtypes, resident counts, link parameters, budgets). Shared by every method that
-offloads experts (`offload_ar`, `specter`, the offloading baselines).
+This is the harness's boundary: `method_spec` reads the config once into a frozen `MethodSpec`;
+everything after it (the runtime, the draft, the engine) is built from the spec, never from the
+config. Shared by every method that offloads experts (`offload_ar`, `specter`, the baselines).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError, resident_experts
+from specter.harness.config import ConfigError, effective_K, resident_experts
 from specter.models.loading import DTYPES, load_full_model, load_offloaded, non_expert_bytes
 from specter.models.registry import checkpoint_digest, resolve_checkpoint
 from specter.moe import MoERuntime
@@ -23,6 +23,10 @@ from specter.offload.calibrate import LinkParams, calibrated_link, fixed_link, m
 from specter.offload.link import make_link
 from specter.offload.runtime import Runtime
 from specter.paths import specter_home
+from specter.predict.planner import PlannerConfig
+from specter.quant.draft import draft_forward
+from specter.spec import BudgetSpec, LinkSpec, MethodSpec
+from specter.speculative.sampling import SamplingParams
 
 GB = 1e9
 
@@ -45,34 +49,67 @@ def device_and_dtype(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
     return device, DTYPES[hw.dtype]
 
 
-def link_params(cfg: DictConfig, checkpoint: Path, expert_bytes: int, digest: str) -> LinkParams:
-    hw = cfg.hardware
-    if hw.link != "emulated":
-        return LinkParams(kind=hw.link)
-    if hw.get("bandwidth_gbps"):
-        return fixed_link(expert_bytes, hw.bandwidth_gbps, hw.get("latency_us"))
-    device, dtype = device_and_dtype(cfg)
-    key = f"{cfg.model.name}-{digest[:12]}-{hw.dtype}-t{torch.get_num_threads()}"
+def budget_spec(cfg: DictConfig) -> BudgetSpec:
+    """The tier's device budget: `memory.budget_mb` if given, else the model's own tier entry."""
+    mem = cfg.memory
+    tier = (cfg.model.get("tiers") or {}).get(mem.name) or {}
+    if mem.get("budget_mb") is not None:
+        return BudgetSpec(bytes=int(float(mem.budget_mb) * (1 << 20)))
+    if tier.get("budget_gb") is not None:
+        return BudgetSpec(bytes=int(float(tier.budget_gb) * GB))
+    return BudgetSpec(fraction=float(tier.get("budget_fraction", 1.0)))
+
+
+def budget_bytes(cfg: DictConfig, full_bytes: int) -> int:
+    """The tier's budget in bytes for a model of `full_bytes` (engine baselines place their own weights)."""
+    return budget_spec(cfg).resolve(full_bytes)
+
+
+def method_spec(cfg: DictConfig) -> MethodSpec:
+    """The config, read once, as the typed spec every engine piece is built from (a method's own
+    fields are filled in by its class, `Method.make_spec`)."""
+    device, _ = device_and_dtype(cfg)
+    m, hw, mem = cfg.method, cfg.hardware, cfg.memory
+    speculative = bool(m.get("speculative"))
+    staging = m.get("staging_buffers") if "staging_buffers" in m else 0
+    if staging is not None and (not isinstance(staging, int) or staging < 0):
+        raise ConfigError(f"method.staging_buffers must be an integer >= 0 (or null = fit the budget), got {staging!r}")
+    sizes = tuple(cfg.batch.sizes) if cfg.get("experiment") == "batch" and cfg.get("batch") else (1,)
+    return MethodSpec(
+        method=str(m.name), model=str(cfg.model.name), memory=str(mem.name), device=str(device), dtype=str(hw.dtype),
+        sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k),
+        K=effective_K(cfg) if speculative else 0,
+        quant=m.get("quant") if speculative else None, draft_kernel=str(hw.get("draft_kernel") or "auto"),
+        prefetch=str(m.get("prefetch") or "none"), planner=PlannerConfig(**(m.get("planner") or {})),
+        planner_state=str(m.get("planner_state") or "warm"), schedule=str(m.get("schedule") or "expert"),
+        resident=resident_experts(cfg),
+        staging=staging,
+        staging_per_layer=float(m.get("staging_per_layer", 1.2)),
+        budget=budget_spec(cfg),
+        link=LinkSpec(kind=str(hw.link), bandwidth_gbps=hw.get("bandwidth_gbps") or None,
+                      latency_us=hw.get("latency_us"), load_ratio=float(cfg.model.get("load_ratio", 1.0)),
+                      recalibrate=bool(hw.get("recalibrate"))),
+        sequence_tokens=int(cfg.prefix_tokens + cfg.max_new_tokens), batch_sizes=sizes,
+        verify_lossless=bool(cfg.get("verify_lossless")), tie_tolerance=float(cfg.get("lossless_tie_tolerance", 0.0)),
+    )
+
+
+def link_params(spec: MethodSpec, checkpoint: Path, expert_bytes: int, digest: str) -> LinkParams:
+    link = spec.link
+    if link.kind != "emulated":
+        return LinkParams(kind=link.kind)
+    if link.bandwidth_gbps:
+        return fixed_link(expert_bytes, link.bandwidth_gbps, link.latency_us)
+    key = f"{spec.model}-{digest[:12]}-{spec.dtype}-t{torch.get_num_threads()}"
     path = specter_home() / "calibration" / f"{key}.json"
-    params = calibrated_link(expert_bytes, float(cfg.model.load_ratio), path,
-                             lambda: measure_layer_step(load_full_model(checkpoint, dtype, device)),
-                             latency_us=hw.get("latency_us"), recalibrate=bool(hw.get("recalibrate")))
-    print(f"emulated link for {cfg.model.name}: layer step {params.per_layer_step_s * 1e3:.3f} ms x load_ratio "
+    params = calibrated_link(expert_bytes, link.load_ratio, path,
+                             lambda: measure_layer_step(load_full_model(checkpoint, spec.torch_dtype, spec.torch_device)),
+                             latency_us=link.latency_us, recalibrate=link.recalibrate)
+    print(f"emulated link for {spec.model}: layer step {params.per_layer_step_s * 1e3:.3f} ms x load_ratio "
           f"{params.load_ratio} -> expert load {params.expert_load_s * 1e3:.3f} ms ({expert_bytes / 1e6:.2f} MB at "
           f"{params.bandwidth_bytes_per_s / 1e9:.3f} GB/s + {params.latency_s * 1e6:.0f} us) [calibration: {path}]",
           flush=True)
     return params
-
-
-def budget_bytes(cfg: DictConfig, full_bytes: int) -> int:
-    """The tier's device budget: `memory.budget_mb` if given, else the model's own tier entry."""
-    mem = cfg.memory
-    if mem.get("budget_mb") is not None:
-        return int(float(mem.budget_mb) * (1 << 20))
-    tier = cfg.model.tiers[mem.name]
-    if tier.get("budget_gb") is not None:
-        return int(float(tier.budget_gb) * GB)
-    return int(float(tier.budget_fraction) * full_bytes)
 
 
 def scratch_bytes(model_config, K: int, batch_size: int, dtype: torch.dtype) -> int:
@@ -80,59 +117,62 @@ def scratch_bytes(model_config, K: int, batch_size: int, dtype: torch.dtype) -> 
     return batch_size * (K + 1) * (model_config.hidden_size * 8 + model_config.vocab_size) * torch.finfo(dtype).bits // 8
 
 
-def build_runtime(cfg: DictConfig, checkpoint: Path, K: int = 0, resident: int | None = None,
-                  batch_size: int = 1, staging: int = 0) -> Runtime:
-    """Everything but the draft; call `enforce_budget(...)` once the draft is known.
+def build_runtime(spec: MethodSpec | DictConfig, checkpoint: Path, resident: int | None = None,
+                  staging: int = 0, batch_size: int = 1) -> Runtime:
+    """The model, host store, link and a cache of `resident` slots per MoE layer (default: the
+    spec's M) and `staging` staging buffers (no draft; the budget is not checked yet).
 
-    K: speculative positions to reserve KV and scratch for (0 = autoregressive);
-    resident: slots per MoE layer (default: the tier's M); staging: extra expert buffers
-    shared by all layers (Mixtral-Offloading's), counted with the cache slots.
-    """
-    device, dtype = device_and_dtype(cfg)
-    M = resident if resident is not None else resident_experts(cfg)
+    A method whose final cache size or draft follow from bytes only known once the model is loaded
+    builds this first, then its final runtime once with `final_runtime`."""
+    if not isinstance(spec, MethodSpec):
+        spec = method_spec(spec)
+    device, dtype, K = spec.torch_device, spec.torch_dtype, spec.K
+    M = resident if resident is not None else spec.resident
     om = load_offloaded(checkpoint, device, dtype, pin_memory=device.type == "cuda")
     digest = checkpoint_digest(checkpoint)
     layers = om.moe_layers
     expert_bytes = om.store.nbytes_per_expert
     non_expert = non_expert_bytes(om.model)
-    seq = cfg.prefix_tokens + cfg.max_new_tokens + K + 1
-    scratch = scratch_bytes(om.model.config, K, batch_size, dtype)
-    params = link_params(cfg, checkpoint, expert_bytes, digest)
+    params = link_params(spec, checkpoint, expert_bytes, digest)
     link = make_link(
         params.kind,
         **({"bandwidth_bytes_per_s": params.bandwidth_bytes_per_s, "latency_s": params.latency_s}
            if params.kind == "emulated" else {"device": device} if params.kind == "cuda" else {}),
     )
     cache = ExpertCache(om.store, link, {layer: M for layer in layers}, device, dtype, staging=staging)
-    moe = MoERuntime(cache, schedule=cfg.method.get("schedule") or "expert")
+    moe = MoERuntime(cache, schedule=spec.schedule)
     for module in om.experts.values():
         module.runtime = moe
     footprint = Footprint(
         non_expert=non_expert,
         cache_slots=cache.device_bytes(),
         draft_experts=0,
-        kv_cache=batch_size * kv_bytes_per_token(om.model, device, dtype) * seq,
-        scratch=scratch,
+        kv_cache=batch_size * kv_bytes_per_token(om.model, device, dtype) * (spec.sequence_tokens + K + 1),
+        scratch=scratch_bytes(om.model.config, K, batch_size, dtype),
     )
     cache.reset()  # the KV probe above ran through the cache
     full = non_expert + expert_bytes * len(layers) * om.num_experts
-    return Runtime(om, cache, link, moe, params, footprint, budget_bytes(cfg, full), M, digest)
+    return Runtime(om, cache, link, moe, params, footprint, spec.budget.resolve(full), M, digest)
 
 
-def resize_cache(rt: Runtime, resident: int, staging: int | None = None) -> Runtime:
-    """The same runtime (model, host store, link) with `resident` slots per MoE layer
-    (and `staging` shared staging buffers; None keeps the current count).
-
-    For methods whose slot count follows from bytes only known once the model is loaded
-    (a derived same-memory count, what fits beside a separate draft)."""
+def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None = None, draft_bytes: int = 0,
+                  extra_bytes: int = 0, what: str = "") -> Runtime:
+    """The runtime a method decodes through, at its final size: `rt`'s model, host store and link, a
+    cache of `resident` slots per layer and `staging` buffers (`rt`'s own when the size is the same),
+    a MoE runtime with the draft experts attached, the draft's bytes (and `extra_bytes`, e.g. a
+    separate draft's copy) in the footprint; refused if over budget. Nothing is reassigned after."""
     if not 1 <= resident <= rt.om.num_experts:
         raise ConfigError(f"{resident} resident experts per layer: need 1..{rt.om.num_experts}")
     old = rt.cache
-    cache = ExpertCache(old.store, rt.link, {layer: resident for layer in old.layers}, old.device, old.dtype,
-                        staging=old.staging if staging is None else staging)
-    rt.moe.cache = cache
-    return replace(rt, cache=cache, resident=resident,
-                   footprint=replace(rt.footprint, cache_slots=cache.device_bytes()))
+    cache = old if (resident, staging) == (rt.resident, old.staging) else ExpertCache(
+        old.store, rt.link, {layer: resident for layer in old.layers}, old.device, old.dtype, staging=staging)
+    moe = MoERuntime(cache, schedule=rt.moe.schedule, draft=draft, draft_forward=draft_forward if draft else None)
+    for module in rt.om.experts.values():
+        module.runtime = moe
+    footprint = replace(rt.footprint, cache_slots=cache.device_bytes(), draft_experts=draft_bytes + extra_bytes)
+    final = replace(rt, cache=cache, moe=moe, resident=resident, footprint=footprint)
+    final.check_budget(what + (f" with {staging} staging buffers" if staging else ""))
+    return final
 
 
 def calibration_batches(cfg: DictConfig, tokenizer, device: torch.device, n_prompts: int,

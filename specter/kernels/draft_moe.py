@@ -52,9 +52,8 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
-import torch.nn.functional as F
 
-from specter.kernels.reference import moe_reference
+from specter.kernels.reference import expert_ffn, grouped_moe, moe_reference
 from specter.quant.int4 import ZERO_POINT, Int4Experts, dequantize, unpack_codes
 
 ActFn = Callable[[torch.Tensor], torch.Tensor]
@@ -74,19 +73,13 @@ def draft_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.T
 def draft_moe_unfused(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: Int4Experts,
                       down: Int4Experts, act_fn: ActFn) -> torch.Tensor:
     """Unfused INT4 baseline: HF's per-expert loop, dequantizing each active expert when it is used."""
-    num_experts = gate_up.num_experts
-    out = torch.zeros_like(x)  # [T, H]
-    for e in torch.unique(topk_idx).tolist():
-        if not 0 <= e < num_experts:
-            continue
-        tok, slot = torch.where(topk_idx == e)
+
+    def ffn(e: int, xs: torch.Tensor) -> torch.Tensor:
         one = torch.tensor([e], device=x.device)
-        w_gu = dequantize_active(gate_up, one, x.dtype)[0]  # [2I, H]
-        w_dn = dequantize_active(down, one, x.dtype)[0]  # [H, I]
-        gate, up = F.linear(x[tok], w_gu).chunk(2, dim=-1)
-        y = F.linear(act_fn(gate) * up, w_dn) * topk_w[tok, slot, None]  # [n, H]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
+        return expert_ffn(xs, dequantize_active(gate_up, one, x.dtype)[0], dequantize_active(down, one, x.dtype)[0],
+                          act_fn)  # [2I, H] and [H, I] weights -> [n, H]
+
+    return grouped_moe(x, topk_idx, topk_w, gate_up.num_experts, ffn)
 
 
 # ----------------------------------------------------------------------------- shared pieces

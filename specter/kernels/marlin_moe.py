@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from specter.kernels.reference import grouped_moe
 from specter.quant.int4 import Int4ExpertLayer, Int4Experts, to_gptq_tensors
 
 ActFn = Callable[[torch.Tensor], torch.Tensor]
@@ -95,13 +96,9 @@ def prepare_marlin(layer: Int4ExpertLayer, dtype: torch.dtype, device: torch.dev
 def marlin_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, experts: MarlinExperts,
                act_fn: ActFn) -> torch.Tensor:
     """Routed-expert MoE with one Marlin GEMM per projection per active expert: x [T, H] -> [T, H]."""
-    num_experts = len(experts.gate_up)
-    out = torch.zeros_like(x)  # [T, H]
-    for e in torch.unique(topk_idx).tolist():  # host sync: the comparison backend's known cost
-        if not 0 <= e < num_experts:
-            continue
-        tok, slot = torch.where(topk_idx == e)  # [n] each
-        gate, up = experts.gate_up[e](x[tok]).chunk(2, dim=-1)  # [n, I] each
-        y = experts.down[e](act_fn(gate) * up) * topk_w[tok, slot, None]  # [n, H]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
+
+    def ffn(e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate, up = experts.gate_up[e](xs).chunk(2, dim=-1)  # [n, I] each
+        return experts.down[e](act_fn(gate) * up)  # [n, H]
+
+    return grouped_moe(x, topk_idx, topk_w, len(experts.gate_up), ffn)  # host sync: the backend's known cost

@@ -23,35 +23,13 @@ from typing import Callable
 
 import torch
 
-from specter.kernels.reference import expert_ffn
+from specter.kernels.reference import expert_ffn, group_by_expert
 
 from .cache import ExpertCache, SlotHandle
 from .store import ExpertUID
 
 ActFn = Callable[[torch.Tensor], torch.Tensor]
 OnExpert = Callable[[ExpertUID, bool], None]  # (expert, was it a hit) at compute time
-
-
-def group_by_expert(topk_idx: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """``[(expert, token_idx [n], topk_pos [n])]`` in ascending expert id.
-
-    Within an expert, entries are ordered by top-k position then token, i.e. the order
-    ``torch.where(expert_mask[e])`` gives in HF. Index ``num_experts`` is a "no expert"
-    sentinel and is skipped, as in HF. Costs one small device->host copy (the counts)."""
-    T, k = topk_idx.shape
-    flat = topk_idx.t().reshape(-1)  # [k*T], entry j = (pos j // T, token j % T)
-    perm = torch.argsort(flat, stable=True)  # [k*T], grouped by expert, (pos, token) order kept
-    counts = torch.bincount(flat, minlength=num_experts + 1)
-    if counts.numel() > num_experts + 1:
-        raise ValueError(f"routed expert id out of range: max {int(flat.max())}, layer has {num_experts} experts")
-    groups = []
-    start = 0
-    for expert, n in enumerate(counts.tolist()[:num_experts]):
-        if n:
-            sel = perm[start : start + n]  # [n]
-            groups.append((expert, sel % T, torch.div(sel, T, rounding_mode="floor")))
-        start += n
-    return groups
 
 
 def _acquire_or_free(cache: ExpertCache, uid: ExpertUID) -> SlotHandle | None:

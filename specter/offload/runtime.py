@@ -1,12 +1,12 @@
 """The offloading runtime one method decodes through: model, host store, link, cache, MoE mode, budget.
 
-Assembled by the harness (`specter.harness.runtime.build_runtime`) from a run's config; the
-engine only reads it.
+Assembled once per method from its spec (`specter.harness.runtime.build_runtime`, then
+`final_runtime` at the final cache size); frozen: the engine only reads it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from specter.moe import MoERuntime
 
 
-@dataclass
+@dataclass(frozen=True)
 class Runtime:
     """Everything an offloading method decodes through: model, host store, link, cache, budget."""
 
@@ -42,9 +42,8 @@ class Runtime:
     def close(self) -> None:
         self.link.close()
 
-    def enforce_budget(self, what: str, draft_bytes: int = 0, extra_bytes: int = 0) -> None:
-        """Add the draft's resident bytes (and any extra device bytes) and refuse a footprint over budget."""
-        self.footprint = replace(self.footprint, draft_experts=draft_bytes + extra_bytes)
+    def check_budget(self, what: str) -> None:
+        """Refuse a footprint over the budget (closing the link)."""
         try:
             check_budget(self.footprint, self.budget_bytes, what)
         except Exception:

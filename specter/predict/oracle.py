@@ -28,6 +28,7 @@ on random small traces.
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from typing import AbstractSet, Mapping, Sequence
 
 
@@ -99,3 +100,17 @@ def oracle_bytes(rt, log) -> int:
     per_layer = {layer: [w.get(layer, set()) for w in log.windows] for layer in layers}
     capacity = {layer: rt.cache.capacity(layer) for layer in layers}
     return oracle_h2d_bytes(per_layer, capacity, rt.cache.initial_residents(), rt.om.store.nbytes_per_expert)
+
+
+def oracle_plan(windows: list[dict[int, set[int]]], capacity: Mapping[int, int]) -> dict[int, list[int]]:
+    """The oracle prefetch policy's plan: per layer, the experts a probe's positions used most.
+
+    ``windows``: one route-log window per probed position (layer -> experts it used), so an
+    expert's count is the number of positions using it; each layer keeps its top ``capacity``
+    (ties go to the lower id). Shared by the single-request and the batched loops."""
+    counts: dict[int, Counter] = defaultdict(Counter)
+    for window in windows:
+        for layer, experts in window.items():
+            counts[layer].update(experts)
+    return {layer: sorted(counts[layer], key=lambda e: (-counts[layer][e], e))[:capacity[layer]]
+            for layer in capacity}

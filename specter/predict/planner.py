@@ -89,7 +89,7 @@ class PrefetchPlanner:
                 raise ValueError(f"K must be >= 1, got {K}")
             self.K = K
         self._claimed: dict[int, set[int]] = {}
-        self._next = self._first_boundary()
+        self._next = self.schedule_first()
         self.first_boundary = self._next
         self.trace: list[Chunk] = [Chunk("cold_start", 0, self.K if self._next is None else self._next, 0)]
         return self._next
@@ -122,7 +122,7 @@ class PrefetchPlanner:
             raise ValueError(f"no boundary at step {step} (next boundary: {self._next})")
         batch = self._incremental_batch(plan, resident, inflight_or_planned, capacity)
         slots_full = all(len(self._claimed.get(layer, ())) >= m for layer, m in capacity.items())
-        nxt = None if slots_full else self._schedule(step, len(batch) * self.expert_bytes)
+        nxt = None if slots_full else self.schedule_next(step, len(batch) * self.expert_bytes)
         phase: Phase = "final_cleanup" if nxt is None else "overlap"
         self._next = nxt
         self.trace.append(Chunk(phase, step, self.K if nxt is None else nxt, len(batch)))
@@ -150,11 +150,12 @@ class PrefetchPlanner:
                     batch.append((layer, expert))
         return batch
 
-    # -- policy hooks (overridden by the ablation policies) ----------------------------------
-    def _first_boundary(self) -> int | None:
+    # -- policy: the two public extension points (the ablation policies and baselines override them)
+    def schedule_first(self) -> int | None:
+        """b_1 of a window of ``self.K`` steps (None: no plan this window)."""
         return max(1, int(self.config.cold_start_frac * self.K))
 
-    def _schedule(self, step: int, batch_bytes: int) -> int | None:
+    def schedule_next(self, step: int, batch_bytes: int) -> int | None:
         """Next boundary so that the next chunk's draft compute ~ this batch's H2D time."""
         steps = batch_bytes / (self.bandwidth * self.draft_step)
         # Float noise (e.g. 3.0000000004) must not add a whole draft step.
@@ -163,6 +164,14 @@ class PrefetchPlanner:
         return None if nxt >= self.K else nxt
 
     # -- estimates ---------------------------------------------------------------------------
+    def snapshot(self) -> tuple[float, float]:
+        """The learned estimates ``(bandwidth, draft_step)``, for `restore`."""
+        return self.bandwidth, self.draft_step
+
+    def restore(self, estimates: tuple[float, float]) -> None:
+        """Put back estimates taken by `snapshot` (a record's documented starting state)."""
+        self.bandwidth, self.draft_step = estimates
+
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """Fold one measured H2D copy into the bandwidth estimate."""
         if nbytes > 0 and seconds > 0:
@@ -181,7 +190,7 @@ class NoPrefetchPlanner(PrefetchPlanner):
 
     name = "none"
 
-    def _first_boundary(self) -> int | None:
+    def schedule_first(self) -> int | None:
         return None
 
 
@@ -190,10 +199,10 @@ class EarlyPlanner(PrefetchPlanner):
 
     name = "early"
 
-    def _first_boundary(self) -> int | None:
+    def schedule_first(self) -> int | None:
         return 1
 
-    def _schedule(self, step: int, batch_bytes: int) -> int | None:
+    def schedule_next(self, step: int, batch_bytes: int) -> int | None:
         return None
 
 
@@ -202,10 +211,10 @@ class LatePlanner(PrefetchPlanner):
 
     name = "late"
 
-    def _first_boundary(self) -> int | None:
+    def schedule_first(self) -> int | None:
         return self.K
 
-    def _schedule(self, step: int, batch_bytes: int) -> int | None:
+    def schedule_next(self, step: int, batch_bytes: int) -> int | None:
         return None
 
 

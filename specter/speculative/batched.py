@@ -22,8 +22,7 @@ requests share its batch.
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,18 +30,16 @@ import torch
 
 from specter.metrics import io_stats
 from specter.moe import MoERuntime, RouteLog
-from specter.offload.store import ExpertUID
-from specter.predict.oracle import oracle_bytes
+from specter.predict.oracle import oracle_bytes, oracle_plan
 from specter.speculative.batch_state import BatchKV, Request
-from specter.speculative.engine import SpeculativeEngine, WindowTrace, acceptance_stats
+from specter.speculative.drafter import run_model
+from specter.speculative.engine import ExpertFilter, SpeculativeEngine, WindowTrace, acceptance_stats
 from specter.speculative.sampling import (
     SamplingParams,
     draft_next,
     next_token,
     verify_window,
 )
-
-ExpertFilter = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -234,10 +231,6 @@ class BatchLoop:
             req.tokens.append(next_tokens[b])
             req.clock.commit(a + 1)
 
-    def _run_model(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
-        return self.model(input_ids=ids, position_ids=position_ids, attention_mask=mask, cache=cache,
-                          use_cache=True).logits  # [B, T, V]
-
     def _step_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and mask for ``ids [B, T]`` on the running cache; records the appended columns."""
         position_ids, mask = self.kv.forward_inputs(ids.shape[1])
@@ -274,11 +267,11 @@ class BatchedAutoregressive(BatchLoop):
     def _forward_batch(self, ids, position_ids, mask, mode, token_valid=None, host_compute=False, cache=None):
         cache = self.kv.cache if cache is None else cache
         if self.moe is None:
-            return self._run_model(ids, position_ids, mask, cache)
+            return run_model(self.model, ids, position_ids, mask, cache)
         self.route_log.begin_window()
         flt = padding_filter(token_valid, self.num_experts) if token_valid is not None else None
         with self.moe.mode("target", route_log=self.route_log, expert_filter=flt):
-            return self._run_model(ids, position_ids, mask, cache)
+            return run_model(self.model, ids, position_ids, mask, cache)
 
     def _iterate(self) -> None:
         ids = self._last_tokens()  # [B, 1]
@@ -312,8 +305,10 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
     """
 
     def __init__(self, rt, K: int, params: SamplingParams, prefetch: str = "adaptive", planner_config=None,
-                 planner_state="warm", expert_filter: ExpertFilter | None = None, max_holes: int = 0):
-        SpeculativeEngine.__init__(self, rt, K, params, prefetch, planner_config, planner_state, expert_filter)
+                 planner_state="warm", expert_filter: ExpertFilter | None = None, max_holes: int = 0,
+                 plan_cap: int | None = None, planner=None, drafter=None):
+        SpeculativeEngine.__init__(self, rt, K, params, prefetch, planner_config, planner_state, expert_filter,
+                                   plan_cap, planner, drafter)
         self.num_experts = rt.om.num_experts
         self.max_holes = max_holes
         self.begin_run()
@@ -321,6 +316,7 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
     # -- run state ------------------------------------------------------------------------------
     def begin_run(self) -> None:
         super().begin_run()
+        self.drafter.begin_run(self.device, self.max_holes)
         self.trace = WindowTrace()
         self.route_log = RouteLog()
         self.verify_windows: list[int] = []
@@ -329,18 +325,15 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
 
     # -- forward --------------------------------------------------------------------------------
     def _forward_batch(self, ids, position_ids, mask, mode, token_valid=None, host_compute=False, cache=None):
+        """Target logits ``[B, T, V]`` (drafting goes through the drafter)."""
         cache = self.kv.cache if cache is None else cache
-        if mode == "draft":
-            scope = self.moe.mode("draft", elb=self.elb)
-        else:
-            flt = self.expert_filter
-            if token_valid is not None:
-                flt = padding_filter(token_valid, self.num_experts, flt)
-            if mode in ("prefill", "verify"):
-                self.route_log.begin_window()
-            scope = self.moe.mode("target", route_log=self.route_log, host_compute=host_compute, expert_filter=flt)
-        with scope:
-            return self._run_model(ids, position_ids, mask, cache)  # [B, T, V]
+        flt = self.expert_filter if mode != "prefill" else None  # the prefill runs the full router
+        if token_valid is not None:
+            flt = padding_filter(token_valid, self.num_experts, flt)
+        if mode in ("prefill", "verify"):
+            self.route_log.begin_window()
+        with self.moe.mode("target", route_log=self.route_log, host_compute=host_compute, expert_filter=flt):
+            return run_model(self.model, ids, position_ids, mask, cache)  # [B, T, V]
 
     # -- one iteration ----------------------------------------------------------------------------
     def _iterate(self) -> None:
@@ -359,7 +352,7 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
         window0 = (link.bytes_copied, link.busy_seconds)
         t0 = time.perf_counter()
         drafts, q = self._draft_batch(last, Kb, limits)  # [B, Kb], [B, Kb, V] | None
-        self._end_draft()
+        self.drafter.end(self.kv)
         t1 = time.perf_counter()
         verify_ids = torch.cat([last, drafts], dim=1)  # [B, Kb+1]
         position_ids, mask = self._step_inputs(verify_ids)
@@ -369,7 +362,7 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
         self._score_prediction(self.trace)
         accepted, tokens = self._verify(drafts, q, target_logits, limits)
         self._commit(accepted, tokens, drafts.tolist())
-        self._commit_draft(accepted)
+        self.drafter.commit(accepted)
         for b, req in enumerate(reqs):
             if limits[b] > 0:
                 req.drafted.append(limits[b])
@@ -405,10 +398,10 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
         if self.prefetch == "oracle":
             self._oracle_prefetch_batch(last, Kb)
         tokens, qs = [], []
-        tok = self._first_draft_input(last)  # [B, T]
+        tok = self.drafter.first_input(self.active, last)  # [B, T]
         self.timer.start()
         for step in range(1, Kb + 1):
-            logits = self._draft_step(tok)  # [B, V]
+            logits = self.drafter.step(tok, self.kv, self.elb)  # [B, V]
             d, q = self._draft_sample(logits, step, limits)  # [B], [B, V] | None
             tokens.append(d)
             qs.append(q)
@@ -426,21 +419,14 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
         drafts = torch.stack(tokens, dim=1)  # [B, Kb]
         return drafts, (torch.stack(qs, dim=1) if qs[0] is not None else None)
 
-    # -- draft hooks: the shared-instance draft extends the target's own cache (a variant with a
-    #    separate draft model and cache overrides these four)
-    def _first_draft_input(self, last: torch.Tensor) -> torch.Tensor:
-        return last  # [B, 1]: the last committed token, the first uncached input
+    # -- membership: the drafter keeps its per-row state in step with the target's rows
+    def _join(self, fresh: BatchKV, prompts: list[torch.Tensor]) -> None:
+        super()._join(fresh, prompts)
+        self.drafter.join(fresh, prompts)
 
-    def _draft_step(self, tok: torch.Tensor) -> torch.Tensor:
-        """Draft logits ``[B, V]`` after feeding ``tok [B, T]`` (scratch columns on the target's cache)."""
-        position_ids, mask = self._step_inputs(tok)
-        return self._forward_batch(tok, position_ids, mask, "draft")[:, -1]
-
-    def _end_draft(self) -> None:
-        self.kv.discard_pending()  # drop the draft scratch of every request
-
-    def _commit_draft(self, accepted: list[int]) -> None:
-        """Nothing to keep: the shared-instance draft reads the target's committed KV."""
+    def _keep_rows(self, rows: list[int]) -> None:
+        super()._keep_rows(rows)
+        self.drafter.keep_rows(rows)
 
     def _draft_sample(self, logits: torch.Tensor, step: int, limits: list[int]):
         """Draft tokens ``[B]`` (and q ``[B, V]`` when sampling); a request past its K_b takes the
@@ -469,17 +455,8 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
             self.route_log.begin_window()
             tok = self._forward_batch(tok, position_ids, mask, "probe", host_compute=True)[:, -1].argmax(-1)[:, None]
         self.kv.discard_pending()
-        counts: dict[int, Counter] = defaultdict(Counter)
-        for window in self.route_log.windows:
-            for layer, experts in window.items():
-                counts[layer].update(experts)
-        self.route_log = saved
-        for layer in self.layers:
-            ranked = sorted(counts[layer], key=lambda e: (-counts[layer][e], e))[: self.capacity[layer]]
-            for expert in ranked:
-                if self.cache.prefetch(ExpertUID(layer, expert)) is None:
-                    self.trace.dropped_prefetches += 1
-            self._window_predicted[layer] |= set(ranked)
+        windows, self.route_log = self.route_log.windows, saved
+        self._prefetch_oracle_plan(oracle_plan(windows, self.plan_capacity))
         spent = time.perf_counter() - start
         for req in self.active:
             req.clock.exclude(spent)

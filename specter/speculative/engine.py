@@ -29,8 +29,9 @@ from specter.moe import RouteLog
 from specter.offload.runtime import Runtime
 from specter.offload.store import ExpertUID
 from specter.predict.elb import ExpertLoadBuffer
-from specter.predict.oracle import oracle_bytes
-from specter.predict.planner import POLICIES, PlannerConfig, make_policy
+from specter.predict.oracle import oracle_bytes, oracle_plan
+from specter.predict.planner import POLICIES, PlannerConfig, PrefetchPlanner, make_policy
+from specter.speculative.drafter import SharedDrafter
 from specter.speculative.sampling import SamplingParams, draft_next, next_token, verify_window
 from specter.speculative.state import SequenceState
 from specter.speculative.timing import StepTimer
@@ -70,14 +71,21 @@ def acceptance_stats(drafted: list[int], accepted: list[int]) -> dict[str, float
     }
 
 
-def plan_capacity(capacity: dict[int, int], staging: int) -> dict[int, int]:
-    """Experts a window's plan may keep per layer: its M slots plus a share of the S staging buffers.
+def plan_capacity(capacity: dict[int, int], staging: int, cap: int | None = None) -> dict[int, int]:
+    """Experts a window's plan may keep per layer: its M slots plus a share of the S staging buffers,
+    at most ``cap`` (the experts per layer a budgeted verification computes; None: no cap).
 
     Verification visits layers in order and a layer returns its borrowed buffers once it is done,
     so the buffers are split evenly, the remainder going to the earliest layers (needed first)."""
     layers = sorted(capacity)
     share, extra = divmod(staging, len(layers)) if layers else (0, 0)
-    return {layer: capacity[layer] + share + (i < extra) for i, layer in enumerate(layers)}
+    limit = cap if cap is not None else float("inf")
+    return {layer: int(min(limit, capacity[layer] + share + (i < extra))) for i, layer in enumerate(layers)}
+
+
+def prefetch_plan(cache, plan: dict[int, list[int]]) -> int:
+    """Queue every expert of ``plan`` (layer -> experts); returns the loads dropped (every slot pinned)."""
+    return sum(cache.prefetch(ExpertUID(layer, expert)) is None for layer, experts in plan.items() for expert in experts)
 
 
 def prefetch_at_boundary(cache, planner, step: int, plan: dict[int, list[int]], capacity: dict[int, int]) -> int:
@@ -102,28 +110,33 @@ class SpeculativeEngine:
 
     def __init__(self, rt: Runtime, K: int, params: SamplingParams, prefetch: str = "adaptive",
                  planner_config: PlannerConfig | None = None, planner_state: PlannerState = "warm",
-                 expert_filter: ExpertFilter | None = None):
+                 expert_filter: ExpertFilter | None = None, plan_cap: int | None = None,
+                 planner: PrefetchPlanner | None = None, drafter: SharedDrafter | None = None):
+        """``planner`` (a policy object) replaces the named ``prefetch`` policy; ``drafter`` replaces the
+        shared-instance INT4 draft; ``expert_filter`` applies to verification passes only."""
         if K < 1:
             raise ValueError(f"K must be >= 1, got {K}")
-        if prefetch not in POLICIES:
+        if planner is None and prefetch not in POLICIES:
             raise ValueError(f"unknown prefetch policy {prefetch!r}; choose one of {POLICIES}")
         if planner_state not in PLANNER_STATES:
             raise ValueError(f"unknown planner_state {planner_state!r}; choose one of {PLANNER_STATES}")
-        self.rt, self.K, self.params, self.prefetch = rt, K, params, prefetch
+        self.planner = planner or make_policy(prefetch, K, rt.om.store.nbytes_per_expert, planner_config)
+        self.rt, self.K, self.params, self.prefetch = rt, K, params, self.planner.name
         self.planner_state = planner_state
         self.expert_filter = expert_filter
         self.model = rt.model
         self.cache = rt.cache
         self.moe = rt.moe
+        self.drafter = drafter or SharedDrafter(self.model, self.moe)
         self.layers = rt.om.moe_layers
         self.capacity = {layer: self.cache.capacity(layer) for layer in self.layers}  # M per layer
-        self.plan_capacity = plan_capacity(self.capacity, getattr(self.cache, "staging", 0))
+        # experts a window's plan keeps per layer; a verifier that computes at most `plan_cap` experts per
+        # layer (MoE-Spec's budget) caps it, so the planner predicts no more than verification can use
+        self.plan_capacity = plan_capacity(self.capacity, getattr(self.cache, "staging", 0), plan_cap)
         self.device = next(self.model.parameters()).device
-        counted = prefetch in ("adaptive", "early", "late")
+        counted = self.prefetch not in ("none", "oracle")  # the oracle plans from a probe, not the ELB
         self.elb = ExpertLoadBuffer(self.layers, rt.om.num_experts, self.device) if counted else None
-        self.planner = make_policy(prefetch, K, rt.om.store.nbytes_per_expert, planner_config)
-        self._cold = (self.planner.bandwidth, self.planner.draft_step)
-        self._warm = self._cold
+        self.cold = self.warm = self.planner.snapshot()
         self.route_log = RouteLog()
         self.timer = StepTimer(self.device)
         self.trace_windows = False  # True: record a WindowTracer per generate() (host-timed links)
@@ -132,21 +145,22 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------------------ state
     def mark_warm(self) -> None:
         """Snapshot the planner's estimates (call after the warm-up); "warm" records start from it."""
-        self._warm = (self.planner.bandwidth, self.planner.draft_step)
+        self.warm = self.planner.snapshot()
 
     def reset(self) -> None:
         """Bring the planner to the documented per-record state (the caller resets the cache)."""
         if self.planner_state == "warm":
-            self.planner.bandwidth, self.planner.draft_step = self._warm
+            self.planner.restore(self.warm)
         elif self.planner_state == "cold":
-            self.planner.bandwidth, self.planner.draft_step = self._cold
+            self.planner.restore(self.cold)
 
     # ------------------------------------------------------------------------------ forward
     def _forward(self, ids: torch.Tensor, state: SequenceState, mode: str, host_compute: bool = False) -> torch.Tensor:
-        scope = (self.moe.mode("draft", elb=self.elb) if mode == "draft" else
-                 self.moe.mode("target", route_log=self.route_log, host_compute=host_compute,
-                               expert_filter=self.expert_filter))
-        with scope:
+        if mode == "draft":
+            return self.drafter.forward(ids, state, self.elb)  # [T, V]
+        verifying = state.committed_kv > 0  # the prefill runs the full router
+        with self.moe.mode("target", route_log=self.route_log, host_compute=host_compute,
+                           expert_filter=self.expert_filter if verifying else None):
             return self.model(input_ids=ids, cache=state.cache, use_cache=True).logits[0]  # [T, V]
 
     def _target(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
@@ -159,6 +173,7 @@ class SpeculativeEngine:
                  clock: CommitClock | None = None) -> tuple[list[int], dict[str, Any]]:
         clock = self.clock = clock or CommitClock()
         state = SequenceState.new(self.model)
+        self.drafter.begin(prompt_ids)
         trace = self.trace = WindowTrace()
         self.route_log = RouteLog()
         link = self.rt.link
@@ -189,7 +204,7 @@ class SpeculativeEngine:
                 tracer.begin_window({layer: self.cache.resident(layer) for layer in self.layers}, K)
             t0 = time.perf_counter()
             drafts, q = self._draft(state, last, K, generator, trace)  # [K], [K, V] | None
-            state.discard_extension()  # drop the draft scratch
+            self.drafter.end_window(state)
             t1 = time.perf_counter()
             target_logits = self._target(torch.cat([last[0], drafts])[None], state)  # [K+1, V]
             self.cache.release_prefetches()  # mispredicted prefetches give their slots back
@@ -215,6 +230,7 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------------------ draft
     def _draft(self, state: SequenceState, last: torch.Tensor, K: int, generator, trace: WindowTrace):
         planner = self.planner
+        self.drafter.begin_window(state)
         planner.begin_window(K)
         self._window_predicted: dict[int, set[int]] = defaultdict(set)
         if self.prefetch == "oracle":
@@ -260,24 +276,19 @@ class SpeculativeEngine:
         self.route_log = RouteLog()
         start = time.perf_counter()
         probe = SequenceState(state.cache, list(state.tokens), state.committed_kv)
-        counts: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         tok = last
         for _ in range(K + 1):  # the K+1 verified positions of a fully accepted greedy window
             self.route_log.begin_window()  # one window per position: counts = positions using an expert
             tok = self._forward(tok, probe, "target", host_compute=True)[-1].argmax().view(1, 1)
         probe.discard_extension()
-        for window in self.route_log.windows:
-            for layer, experts in window.items():
-                for e in experts:
-                    counts[layer][e] += 1
-        self.route_log = saved
-        for layer in self.layers:
-            ranked = sorted(counts[layer], key=lambda e: (-counts[layer][e], e))[: self.plan_capacity[layer]]
-            for expert in ranked:
-                if self.cache.prefetch(ExpertUID(layer, expert)) is None:
-                    self.trace.dropped_prefetches += 1
-            self._window_predicted[layer] |= set(ranked)
+        windows, self.route_log = self.route_log.windows, saved
+        self._prefetch_oracle_plan(oracle_plan(windows, self.plan_capacity))
         self.clock.exclude(time.perf_counter() - start)  # the probe is not part of the measured run
+
+    def _prefetch_oracle_plan(self, plan: dict[int, list[int]]) -> None:
+        self.trace.dropped_prefetches += prefetch_plan(self.cache, plan)
+        for layer, experts in plan.items():
+            self._window_predicted[layer] |= set(experts)
 
     def _score_prediction(self, trace: WindowTrace) -> None:
         actual = self.route_log.windows[-1]

@@ -1,0 +1,93 @@
+"""What one method run is, as typed frozen values: the only thing the engine is built from.
+
+The harness turns the composed config into a `MethodSpec` exactly once
+(`specter.harness.runtime.method_spec`); a baseline is that spec with its own fields replaced
+(`dataclasses.replace`) plus the public pieces it swaps (drafter, planner, expert filter).
+`MethodSpec.record()` is what env.json records under "spec".
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from specter.models.loading import DTYPES
+from specter.predict.planner import PlannerConfig
+from specter.speculative.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """The transfer link: `kind` (emulated | cuda | immediate) and, for an emulated link, either a fixed
+    bandwidth/latency or a calibration target (one expert load = `load_ratio` × a layer's decode step)."""
+
+    kind: str = "immediate"
+    bandwidth_gbps: float | None = None
+    latency_us: float | None = None
+    load_ratio: float = 1.0
+    recalibrate: bool = False
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """The tier's device budget: absolute bytes, or a fraction of the whole model's bytes."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+
+    def resolve(self, full_model_bytes: int) -> int:
+        if self.bytes is not None:
+            return int(self.bytes)
+        return int(float(self.fraction or 1.0) * full_model_bytes)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method run, typed: model and tier, device, speculation, prefetch, cache sizing, link, budget."""
+
+    method: str
+    model: str
+    memory: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # speculation (K = 0: autoregressive)
+    K: int = 0
+    quant: str | None = None  # draft experts: gptq | rtn (None: no draft)
+    draft_kernel: str = "auto"
+    prefetch: str = "adaptive"  # planner policy (see specter.predict.planner.POLICIES)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    planner_state: str = "warm"  # warm | cold | carry
+    schedule: str = "expert"  # verification schedule: expert | token
+    # the device cache
+    resident: int = 1  # M: slots per MoE layer
+    staging: int | None = 0  # staging buffers shared by all layers (None: what the budget still holds)
+    staging_per_layer: float = 1.2  # the cap of `staging=None`, per MoE layer
+    plan_cap: int | None = None  # at most this many experts per layer in a window's plan (a verifier's budget)
+    budget: BudgetSpec = field(default_factory=BudgetSpec)
+    link: LinkSpec = field(default_factory=LinkSpec)
+    sequence_tokens: int = 0  # prefix + new tokens a request holds in KV (before the K+1 window)
+    batch_sizes: tuple[int, ...] = (1,)  # experiment=batch: the sizes the device layout must hold
+    # checks
+    verify_lossless: bool = False
+    tie_tolerance: float = 0.0
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def describe(self) -> str:
+        """The run in a few words, for budget refusals."""
+        return f"{self.model} {self.method} at memory={self.memory} (M={self.resident})"
+
+    def record(self) -> dict[str, Any]:
+        """The spec as env.json records it (plain values only)."""
+        out = asdict(self)
+        out["batch_sizes"] = list(self.batch_sizes)
+        return out
