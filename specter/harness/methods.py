@@ -196,6 +196,11 @@ class Specter(Method):
         self.verify = spec.verify_lossless and self.params.temperature == 0
         self.tie_tolerance = spec.tie_tolerance
 
+    @property
+    def draft(self) -> dict:
+        """MoE layer -> the INT4 draft experts the shared instance drafts with."""
+        return self.rt.moe.draft
+
     def build_draft_experts(self, rt: Runtime) -> dict:
         """The INT4 draft experts of `rt`'s model (GPTQ calibrated through `rt`, or RTN); sets
         `draft_bytes`, `draft_info` and `kernel_choice`."""
