@@ -118,15 +118,17 @@ def scratch_bytes(model_config, K: int, batch_size: int, dtype: torch.dtype) -> 
 
 
 def build_runtime(spec: MethodSpec | DictConfig, checkpoint: Path, resident: int | None = None,
-                  staging: int = 0, batch_size: int = 1) -> Runtime:
+                  staging: int = 0, batch_size: int = 1, K: int | None = None) -> Runtime:
     """The model, host store, link and a cache of `resident` slots per MoE layer (default: the
     spec's M) and `staging` staging buffers (no draft; the budget is not checked yet).
 
     A method whose final cache size or draft follow from bytes only known once the model is loaded
-    builds this first, then its final runtime once with `final_runtime`."""
+    builds this first, then its final runtime once with `final_runtime`. Scripts may pass a config
+    (read into its spec here) and a K (default: the spec's) to reserve KV and scratch for."""
     if not isinstance(spec, MethodSpec):
         spec = method_spec(spec)
-    device, dtype, K = spec.torch_device, spec.torch_dtype, spec.K
+    device, dtype = spec.torch_device, spec.torch_dtype
+    K = spec.K if K is None else K
     M = resident if resident is not None else spec.resident
     om = load_offloaded(checkpoint, device, dtype, pin_memory=device.type == "cuda")
     digest = checkpoint_digest(checkpoint)
