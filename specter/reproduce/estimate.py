@@ -1,0 +1,90 @@
+"""How long a plan takes on this machine: each step's own measured time when one is recorded, else a
+per-kind model (startup + records x per-record + units x per-unit) with constants measured on a
+2-core CPU (tiny models, emulated link). The runner records every step's time in
+`<logs>/timings.json`; a later CHECK=1 on the same machine then uses those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from specter.reproduce.plan import Step
+
+TIMINGS = "timings.json"
+
+
+@dataclass(frozen=True)
+class Cost:
+    startup_s: float      # process start, imports, model load, calibration and draft (cached after the first)
+    per_record_s: float   # one measured record (QUICK: 32 new tokens; scaled by max_new_tokens / 32)
+    per_unit_s: float = 0.0  # per K value, batch size or benchmark run inside the step
+
+
+# Measured on a 2-core x86 CPU shared with other work (see MEASURED_ON), tiny trained models,
+# emulated link, QUICK sizes; full-protocol records are scaled by their token count.
+COSTS: dict[str, Cost] = {
+    "datasets": Cost(5.0, 0.0),
+    "train": Cost(180.0, 0.0),        # initialization/train_tiny.py: "about 3 CPU minutes each"
+    "k_sweep": Cost(12.0, 1.5, 2.0),
+    "main": Cost(10.0, 1.0),
+    "batch": Cost(14.0, 0.4, 2.0),
+    "trace": Cost(14.0, 4.0),
+    "bench": Cost(20.0, 1.0, 8.0),
+    "figures": Cost(40.0, 0.0),
+}
+MEASURED_ON = "2-core CPU, loaded, Dec 2026"
+
+
+def read_timings(logs: Path) -> dict[str, dict]:
+    try:
+        data = json.loads((logs / TIMINGS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_timing(logs: Path, step: Step, seconds: float, status: str) -> None:
+    """Record one step's time (atomically; a torn file only loses the timings)."""
+    data = read_timings(logs)
+    data[step.name] = {"seconds": round(seconds, 1), "command": step.command, "status": status,
+                       "records": step.records, "cpus": os.cpu_count()}
+    tmp = logs / f".{TIMINGS}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, logs / TIMINGS)
+
+
+def token_scale(step: Step) -> float:
+    """New tokens per record over QUICK's 32 (a step without the setting runs the full protocol's 128)."""
+    argv = list(step.argv)
+    for i, arg in enumerate(argv):
+        if arg.startswith("max_new_tokens="):
+            return int(arg.split("=", 1)[1]) / 32
+        if arg == "--max-new-tokens" and i + 1 < len(argv):
+            return int(argv[i + 1]) / 32
+    return 1.0 if "--quick" in argv or step.kind in ("train", "datasets", "figures") else 4.0
+
+
+def modelled_seconds(step: Step) -> float:
+    cost = COSTS.get(step.kind, Cost(10.0, 1.0))
+    return cost.startup_s + step.records * cost.per_record_s * token_scale(step) + step.units * cost.per_unit_s
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float
+    source: str   # "measured here" | "model"
+
+
+def estimate(step: Step, timings: dict[str, dict]) -> Estimate:
+    """A measured time of the same command on this machine, else the per-kind model."""
+    seen = timings.get(step.name)
+    if seen and seen.get("command") == step.command and seen.get("status") == "reproduced":
+        return Estimate(float(seen["seconds"]), "measured here")
+    return Estimate(modelled_seconds(step), "model")
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
