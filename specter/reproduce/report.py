@@ -29,32 +29,35 @@ FIGURE_INPUTS: dict[str, Callable[[Step], bool]] = {
 }
 
 
-def _result(o: Outcome) -> str:
+def _result(o: Outcome, error_label: dict[str, str] | None = None) -> str:
     if o.status in (REPRODUCED, DONE):
         return o.status
+    if o.status == FAILED and error_label and o.step.name in error_label:
+        return f"failed ({o.why.split(':')[0]}: error {error_label[o.step.name]} below)"
     return f"{o.status} ({o.why})" if o.why else o.status
 
 
-def step_table(outcomes: list[Outcome]) -> list[str]:
-    rows = [("step", "result", "time")] + [
-        (o.step.name, _result(o), "-" if o.seconds is None else f"{o.seconds:.0f} s") for o in outcomes]
-    width = [max(len(r[i]) for r in rows) for i in range(2)]
-    out = [f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]:>6}".rstrip() for r in rows]
-    out.insert(1, "-" * min(len(out[0]) + 8, 160))
-    return out
-
-
-def error_groups(outcomes: list[Outcome]) -> list[str]:
-    """Each distinct error once, under the steps that reported it."""
+def error_groups(outcomes: list[Outcome]) -> tuple[list[str], dict[str, str]]:
+    """Each distinct error once (E1, E2, ...) under the steps that reported it; step -> its label."""
     groups: dict[tuple[str, ...], list[str]] = {}
     for o in outcomes:
         if o.status == FAILED:
             groups.setdefault(tuple(o.detail) or (o.why,), []).append(o.step.name)
-    out = []
-    for detail, names in groups.items():
-        head = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more ({', '.join(names[1:])})"
-        out.append(f"{head}:")
+    out, labels = [], {}
+    for k, (detail, names) in enumerate(groups.items(), start=1):
+        labels.update({n: f"E{k}" for n in names})
+        more = f" and {len(names) - 1} more step(s) with the same error: {', '.join(names[1:])}" if names[1:] else ""
+        out.append(f"E{k}: {names[0]}{more}")
         out.extend(f"    {line}" for line in detail)
+    return out, labels
+
+
+def step_table(outcomes: list[Outcome], error_label: dict[str, str] | None = None) -> list[str]:
+    rows = [("step", "result", "time")] + [
+        (o.step.name, _result(o, error_label), "-" if o.seconds is None else f"{o.seconds:.0f} s") for o in outcomes]
+    width = [max(len(r[i]) for r in rows) for i in range(2)]
+    out = [f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]:>6}".rstrip() for r in rows]
+    out.insert(1, "-" * min(len(out[0]) + 8, 160))
     return out
 
 
@@ -102,8 +105,8 @@ def summary(outcomes: list[Outcome], decision: DatasetDecision, mode: str, secon
         counts[o.status] = counts.get(o.status, 0) + 1
     lines = [f"== summary ({mode}, {minutes(seconds)}) ==", decision.summary(),
              ", ".join(f"{n} {k}" for k, n in counts.items()), ""]
-    lines += step_table(outcomes)
-    errors = error_groups(outcomes)
+    errors, labels = error_groups(outcomes)
+    lines += step_table(outcomes, labels)
     if errors:
         lines += ["", "errors (each once; the full output is in the step's log):"] + ["  " + e for e in errors]
     lines += ["", f"figures ({figures}/; index.md lists every file):"]
