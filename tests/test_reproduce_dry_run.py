@@ -76,7 +76,7 @@ def test_quick_plan(tmp_path):
     spec = cmds["quick.main-tiny_qwen-high-specter"]
     assert spec[:2] == ["python", "run.py"]
     for arg in ("experiment=main", "model=tiny_qwen", "memory=high", "hardware=emulated", "model.trained=true",
-                "num_prompts=1", "repeats=2", "max_new_tokens=32", "dataset=all"):
+                "num_prompts=1", "repeats=1", "max_new_tokens=32", "dataset=all"):
         assert arg in spec
     out = tmp_path / "out" / "results"
     assert f"k_profile={out}/k_sweep/tiny_qwen-low-emulated/k_profile.json" in spec

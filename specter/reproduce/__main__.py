@@ -12,7 +12,7 @@ import time
 from specter.reproduce.datasets import DatasetDecision, decide, label
 from specter.reproduce.estimate import COSTS, MEASURED_ON, estimate, minutes, read_timings
 from specter.reproduce.execute import FAILED, INTERRUPTED, REPRODUCED, SKIPPED, Runner, simulate
-from specter.reproduce.plan import Plan, build_plan
+from specter.reproduce.plan import Plan, build_plan, primary
 from specter.reproduce.protocol import protocol
 from specter.reproduce.report import summary, write_summary
 from specter.reproduce.settings import Settings, SettingsError, read_settings
@@ -31,6 +31,9 @@ def header(s: Settings, plan: Plan, data: DatasetDecision) -> list[str]:
         lines.append("  every run is given these datasets explicitly (dataset=...), as its config.yaml and "
                      "provenance.json record; to add the others:")
         lines += data.how_to_add()
+    if s.quick and data.ready:
+        batch = f"batching {primary(data.batch_ready)}; " if data.batch_ready else ""
+        lines.append(f"  QUICK: one dataset for {batch}the trace and the prefetch ablation {primary(data.ready)}")
     lines += [f"  note: {n}" for n in plan.notes]
     return lines
 

@@ -68,6 +68,12 @@ class Plan:
         return [s.name for s in self.steps]
 
 
+def primary(ready: tuple[str, ...]) -> str:
+    """The dataset of one-dataset steps (trace; QUICK batching and prefetch): HumanEval, as the
+    batch experiment's default, else the first present."""
+    return "humaneval" if "humaneval" in ready or not ready else ready[0]
+
+
 def is_tiny(model: str) -> bool:
     return model.startswith("tiny_")
 
@@ -83,8 +89,12 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
     py = s.python
     assets = [f"assets_dir={s.assets}"] if s.assets else []
     ds = dataset_overrides(data.ready) if data.ready else ["dataset=all"]
-    ds_batch = dataset_overrides(data.batch_ready) if data.batch_ready else []
-    n_ds, n_batch_ds = len(data.ready), len(data.batch_ready)
+    # QUICK batches and ablates prefetching on one dataset (experiment=batch's own default is one:
+    # humaneval); the full protocol on every dataset present
+    batch_sets = (primary(data.batch_ready),) if s.quick and data.batch_ready else data.batch_ready
+    prefetch_sets = (primary(data.ready),) if s.quick and data.ready else data.ready
+    ds_batch = dataset_overrides(batch_sets) if batch_sets else []
+    n_ds, n_batch_ds = len(data.ready), len(batch_sets)
 
     prepare = [py, "-m", "initialization.prepare_datasets", "--datasets", s.dataset]
     datasets_step = plan.add("datasets", "datasets", prepare + (["--assets", s.assets] if s.assets else []))
@@ -167,7 +177,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
     trace_ok = "specter" in s.methods and s.hardware != "cuda" and \
         "trace_windows" in (repo / "specter" / "harness" / "schema.py").read_text(encoding="utf-8")
     if trace_ok:
-        trace_ds = "humaneval" if "humaneval" in data.ready else (data.ready[0] if data.ready else "humaneval")
+        trace_ds = primary(data.ready)
         for m in s.models:
             out = s.results / "trace" / f"{m}-specter-low"
             plan.add("trace", f"trace-{m}",
@@ -197,10 +207,10 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
         quick_pre = ["--memory", "low", "--num-prompts", "1", "--max-new-tokens", "32"] if s.quick else []
         plan.add("bench", "bench-prefetch",
                  [py, "scripts/bench_methods.py", "--suite", "prefetch", "--models", *tiny, *quick_pre,
-                  "--datasets", ",".join(data.ready) or "humaneval", "--hardware", s.hardware, *untrained,
+                  "--datasets", ",".join(prefetch_sets) or "humaneval", "--hardware", s.hardware, *untrained,
                   *(["--assets", s.assets] if s.assets else []), "--out", str(bench)],
                  needs=(*data_needs, *tiny_needs), checks=(Check("csv", bench / "bench_methods.csv"),),
-                 records=len(tiny) * 5 * n_ds * pre.num_prompts * pre.repeats, units=len(tiny) * 5)
+                 records=len(tiny) * 5 * len(prefetch_sets) * pre.num_prompts * pre.repeats, units=len(tiny) * 5)
     else:
         plan.notes.append("bench-verify, bench-prefetch: tiny models only (MODELS has none)")
     plan.add("figures", "figures", [py, "make_figures.py", "--results", str(s.results), "--figures", str(s.figures)])

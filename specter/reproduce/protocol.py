@@ -34,9 +34,10 @@ class Protocol:
         return out
 
 
-# QUICK: 1 prompt x 2 repeats per dataset, 32 new tokens; K in {4, 8, 16}; B in {1, 2, 4} over 4 prompts
+# QUICK: 1 prompt x 1 repeat per dataset, 32 new tokens; K in {4, 8, 16}; B in {1, 2, 4} over 4 prompts
+# (of one dataset). Sized for < 30 min on 2 cores with all five datasets: see README, artifact.
 QUICK = {
-    "main": Protocol(num_prompts=1, repeats=2, max_new_tokens=32),
+    "main": Protocol(num_prompts=1, repeats=1, max_new_tokens=32),
     "k_sweep": Protocol(num_prompts=1, repeats=1, max_new_tokens=32, k_values=(4, 8, 16)),
     "batch": Protocol(num_prompts=4, repeats=1, max_new_tokens=32, batch_sizes=(1, 2, 4)),
     "trace": Protocol(num_prompts=1, repeats=1, max_new_tokens=128),  # one window timeline: the default length
