@@ -146,3 +146,51 @@ def test_term_stops_the_running_step_and_its_children(tmp_path):
         time.sleep(0.1)
     assert not _alive(step_pid) and not _alive(grandchild)  # nothing orphaned to hold a run folder's lock
     assert not (logs / "quick.main-slow.done").exists()
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# stands in for python: reproduce_all itself runs for real; each step only logs and exits
+if [[ "$1 $2" == "-m specter.reproduce" ]]; then exec {python} "$@"; fi
+echo "$*" >> {calls}
+case "$*" in
+  *initialization.prepare_datasets*) echo "FAILED c4 (C4): missing" >&2; exit 1 ;;
+  *initialization.train_tiny*) echo "error: training diverged; loss nan" >&2; exit 3 ;;
+esac
+exit 0
+"""
+
+
+def test_script_end_to_end_with_stand_in_steps(tmp_path):
+    """The live path: the dataset check first and narrowing, a failed training skipping its model's steps,
+    an exit-0 step without outputs failing, and the summary table written beside the results."""
+    import shutil
+
+    assets = tmp_path / "assets"
+    shutil.copytree(REPO / "tests" / "fixtures" / "datasets" / "gsm8k", assets / "gsm8k")
+    fake = tmp_path / "python"
+    calls = tmp_path / "calls"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable, calls=calls))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=str(fake), PYTHONPATH=str(REPO), QUICK="1", MODELS="tiny_qwen", TIERS="low",
+               METHODS="offload_ar", DATASET="c4,gsm8k", ASSETS=str(assets), SPECTER_HOME=str(tmp_path / "home"),
+               RESULTS=str(out / "results"), FIGURES=str(out / "figures"), LOGS=str(out / "logs"))
+    for var in ("DRY_RUN", "CHECK", "FORCE", "DRY_FAIL", "BATCH_MODELS", "BATCH_METHODS"):
+        env.pop(var, None)
+    res = subprocess.run(["bash", str(REPO / "scripts" / "reproduce_all.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    text = res.stdout
+    assert text.count("datasets: gsm8k (GK) (not present: c4 (C4))") == 2  # at the start and in the summary
+    ran = calls.read_text().splitlines()
+    assert ran[0].startswith("-m initialization.prepare_datasets --datasets c4,gsm8k")
+    assert not [c for c in ran if "run.py" in c]  # every run needs the failed training: none was started
+    summary = (out / "results" / "reproduce_summary.md").read_text()
+    for line in ("quick.datasets", "reproduced (narrowed to gsm8k)",
+                 "quick.train-tiny_qwen", "failed (exit 3: error E1 below)",
+                 "quick.main-tiny_qwen-low-offload_ar", "skipped (because quick.train-tiny_qwen failed)",
+                 "quick.bench-draft-kernel", "draft_kernel.csv is missing",
+                 "E1: quick.train-tiny_qwen", "    error: training diverged", "    loss nan"):
+        assert line in summary, line
+    assert (out / "logs" / "quick.train-tiny_qwen.log").read_text().startswith("$ ")
+    assert not (out / "logs" / "quick.train-tiny_qwen.done").exists()

@@ -11,7 +11,7 @@ import time
 
 from specter.reproduce.datasets import DatasetDecision, decide, label
 from specter.reproduce.estimate import COSTS, MEASURED_ON, estimate, minutes, read_timings
-from specter.reproduce.execute import FAILED, INTERRUPTED, REPRODUCED, SKIPPED, Runner, simulate
+from specter.reproduce.execute import FAILED, INTERRUPTED, REPRODUCED, SKIPPED, Outcome, Runner, simulate
 from specter.reproduce.plan import Plan, build_plan, primary
 from specter.reproduce.protocol import protocol
 from specter.reproduce.report import summary, write_summary
@@ -110,6 +110,8 @@ def main(env: dict[str, str] | None = None) -> int:
     if not data.ready:
         for line in no_data_message(data):
             print(line, file=sys.stderr)
+        if first is not None:
+            print(f"  (what the dataset check tried: {runner.log_path(first.step)})", file=sys.stderr)
         return 2
     plan = build_plan(s, data)
     for line in header(s, plan, data):
@@ -125,7 +127,10 @@ def main(env: dict[str, str] | None = None) -> int:
             say(f"DRY_FAIL: {len(skipped)} step(s) would be skipped because a step they need failed")
         return 0
     assert first is not None
-    if first.status == REPRODUCED and data.narrowed:
+    if first.status == FAILED:  # prepare_datasets itself broke, yet some datasets are present: use them
+        first = Outcome(first.step, REPRODUCED, first.seconds,
+                        why=f"prepare_datasets {first.why}; the runs use the datasets present")
+    elif data.narrowed:
         first.why = f"narrowed to {', '.join(data.ready)}"
     runner.outcomes[plan.steps[0].name] = first
     outcomes = [first] + runner.run_all(plan.steps[1:], start=2, total=len(plan.steps))

@@ -37,6 +37,7 @@ class Outcome:
     why: str = ""                      # one line for the table
     detail: list[str] = field(default_factory=list)  # the error message, line by line
     root: str = ""                     # the failed step a skip goes back to
+    rc: int | None = None              # the step's exit status, when it ran
 
 
 class Interrupted(Exception):
@@ -183,15 +184,17 @@ class Runner:
         ok = accept(rc) if accept else rc == 0
         if not ok:
             detail = error_lines(log)
-            outcome = Outcome(step, FAILED, seconds, f"exit {rc}: {detail[0] if detail else 'see the log'}", detail)
+            outcome = Outcome(step, FAILED, seconds, f"exit {rc}: {detail[0] if detail else 'see the log'}", detail,
+                              rc=rc)
         else:
             problem = outputs_problem(step) if step.checks else None
             if problem:
-                outcome = Outcome(step, FAILED, seconds, f"exit {rc}, but {problem}", [f"exit {rc}, but {problem}"])
+                outcome = Outcome(step, FAILED, seconds, f"exit {rc}, but {problem}", [f"exit {rc}, but {problem}"],
+                                  rc=rc)
             else:
                 if step.checks:
                     self._write_marker(step)
-                outcome = Outcome(step, REPRODUCED, seconds)
+                outcome = Outcome(step, REPRODUCED, seconds, rc=rc)
         write_timing(self.logs, step, seconds, outcome.status)
         if outcome.status == FAILED:
             self.say(f"    FAILED after {seconds:.0f} s (log: {log}):")

@@ -14,6 +14,7 @@ from specter.reproduce.execute import DONE, FAILED, REPRODUCED, Outcome
 from specter.reproduce.plan import Step
 
 REFERENCE = "results/reference"
+RESULT_WIDTH = 90  # the result column of the table; the full text is in the error list or the log
 # which steps feed each figure of make_figures (its titles in figures/index.md)
 FIGURE_INPUTS: dict[str, Callable[[Step], bool]] = {
     "Fig. 7 K sweep": lambda s: s.kind == "k_sweep",
@@ -30,11 +31,13 @@ FIGURE_INPUTS: dict[str, Callable[[Step], bool]] = {
 
 
 def _result(o: Outcome, error_label: dict[str, str] | None = None) -> str:
-    if o.status in (REPRODUCED, DONE):
+    if o.status == DONE:
         return o.status
     if o.status == FAILED and error_label and o.step.name in error_label:
-        return f"failed ({o.why.split(':')[0]}: error {error_label[o.step.name]} below)"
-    return f"{o.status} ({o.why})" if o.why else o.status
+        exit = f"exit {o.rc}: " if o.rc is not None else ""
+        return f"failed ({exit}error {error_label[o.step.name]} below)"
+    text = f"{o.status} ({o.why})" if o.why else o.status
+    return text if len(text) <= RESULT_WIDTH else text[:RESULT_WIDTH - 4] + " ..."
 
 
 def error_groups(outcomes: list[Outcome]) -> tuple[list[str], dict[str, str]]:
