@@ -47,6 +47,18 @@ def dry_run(tmp_path: Path, **env) -> tuple[list[tuple[str, list[str]]], str]:
     return steps, res.stdout
 
 
+def many_prompts(tmp_path: Path, n: int = 40) -> Path:
+    """An assets folder whose GSM8K file yields n prompts (the full protocol asks 5, batching 32)."""
+    import json
+
+    assets = tmp_path / "many"
+    (assets / "gsm8k").mkdir(parents=True)
+    (assets / "gsm8k" / "test.jsonl").write_text(
+        "".join(json.dumps({"question": f"Question {i}: what is {i} plus {i}?", "answer": str(2 * i)}) + "\n"
+                for i in range(n)))
+    return assets
+
+
 def assets_with(tmp_path: Path, *names: str) -> Path:
     assets = tmp_path / "assets"
     assets.mkdir()
@@ -99,7 +111,9 @@ def test_quick_plan_overrides_compose(tmp_path):
 
 
 def test_methods_and_paper_config(tmp_path):
-    steps, _ = dry_run(tmp_path, METHODS="specter offload_ar", HARDWARE="cuda", MODELS="dsv2 qwen15moe phi35moe")
+    steps, out = dry_run(tmp_path, METHODS="specter offload_ar", HARDWARE="cuda", MODELS="dsv2 qwen15moe phi35moe",
+                         ASSETS=str(many_prompts(tmp_path)), DATASET="gsm8k,c4")
+    assert "datasets: gsm8k (GK) (not present: c4 (C4))" in out
     names = [n for n, _ in steps]
     assert not [n for n in names if "train-" in n]  # real models are not trained here
     assert {n for n in names if n.startswith("full.main-")} == {
@@ -110,6 +124,7 @@ def test_methods_and_paper_config(tmp_path):
     spec = dict(steps)["full.main-dsv2-low-specter"]
     assert "hardware=cuda" in spec and not [a for a in spec if a.startswith("model.trained")]
     assert not [a for a in spec if a.startswith(("num_prompts", "repeats"))]  # the full protocol of experiment=main
+    assert "dataset=gsm8k" in spec and "dataset=gsm8k" in dict(steps)["full.batch-dsv2-specter"]
 
 
 def test_slurm_launcher_plan(tmp_path):
@@ -144,9 +159,9 @@ def test_dataset_check_narrows_to_the_datasets_present(tmp_path):
         if ".trace-" in name:
             assert chosen == ["dataset=c4"], (name, chosen)  # one prompt of one dataset: a timeline
         elif ".batch-" not in name:
-            assert chosen == ["dataset=all", "dataset.name='c4,gsm8k'"], (name, chosen)
+            assert chosen == ["dataset=all", "dataset.name=c4\\,gsm8k"], (name, chosen)
     prefetch = dict(steps)["quick.bench-prefetch"]
-    assert prefetch[prefetch.index("--datasets") + 1] == "c4,gsm8k"
+    assert prefetch[prefetch.index("--datasets") + 1] == "c4"  # QUICK: the ablation on one dataset
     assert "wikitext2" not in " ".join(" ".join(c) for c in runs.values())
 
 

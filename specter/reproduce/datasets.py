@@ -98,4 +98,4 @@ def dataset_overrides(names: tuple[str, ...]) -> list[str]:
         return ["dataset=all"]
     if len(names) == 1:
         return [f"dataset={names[0]}"]
-    return ["dataset=all", "dataset.name='" + ",".join(names) + "'"]
+    return ["dataset=all", "dataset.name=" + "\\,".join(names)]  # Hydra: an escaped comma is no sweep
