@@ -29,9 +29,11 @@
 # those). TERM/INT/HUP stop the running step (its whole process group) before the script exits.
 #
 # Settings (environment variables):
-#   QUICK=1        1 prompt x 2 repeats per dataset, 32 new tokens, K in {4,8,16} swept on the low
-#                  tier only, batch sizes {1,2,4} over 4 prompts; results in results/quick, figures
-#                  in figures/quick. CHECK=1 QUICK=1 prints the estimate for this machine.
+#   QUICK=1        1 prompt x 1 repeat per dataset, 32 new tokens, K in {4,8,16} swept on the low
+#                  tier only, batch sizes {1,2,4} over 4 prompts of one dataset (HumanEval when present;
+#                  the trace and the prefetch ablation too); results in results/quick, figures in
+#                  figures/quick. About 23 min on 2 cores with all five datasets once the tiny models
+#                  are trained (3 min each, once); CHECK=1 QUICK=1 prints the estimate for this machine.
 #   CHECK=1        preflight: the plan, its data and a time estimate; runs nothing, writes nothing
 #   DRY_RUN=1      print every step's command; DRY_FAIL="<step> ..." also shows what their failure skips
 #   MODELS         default "tiny_dsv2 tiny_qwen tiny_phi"

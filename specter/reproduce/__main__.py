@@ -64,13 +64,15 @@ def check_report(s: Settings, plan: Plan) -> list[str]:
     for kind, secs in by_kind.items():
         total += sum(secs)
         lines.append(f"{kind:<10} {len(secs):>5} {minutes(sum(secs)):>9}")
+    train = sum(by_kind.get("train", []))
     lines.append(f"{'total':<10} {sum(map(len, by_kind.values())):>5} {minutes(total):>9}"
-                 f"   ({done} step(s) already done with valid outputs, not counted)")
+                 + (f"   ({minutes(total - train)} without the one-time training)" if train else "")
+                 + f"   ({done} step(s) already done with valid outputs, not counted)")
     model = sources.get("model", 0)
     lines.append("estimate: " + "; ".join(
         ([f"{sources['measured here']} step(s) from their own time in {s.logs}/timings.json"]
          if "measured here" in sources else [])
-        + ([f"{model} step(s) from per-kind constants (startup + records x per-record; measured on a "
+        + ([f"{model} step(s) from per-kind constants (startup + records x per-record; from the "
             f"{MEASURED_ON}; specter/reproduce/estimate.py)"] if model else [])))
     if any(k == "train" for k in by_kind):
         lines.append(f"  training: {COSTS['train'].startup_s / 60:.0f} min per tiny model, once")
