@@ -194,3 +194,43 @@ def test_script_end_to_end_with_stand_in_steps(tmp_path):
         assert line in summary, line
     assert (out / "logs" / "quick.train-tiny_qwen.log").read_text().startswith("$ ")
     assert not (out / "logs" / "quick.train-tiny_qwen.done").exists()
+
+
+def test_run_folder_of_other_datasets_is_set_aside_not_reused(tmp_path):
+    """After the datasets change (e.g. more were added), a run folder made for the old choice is moved aside
+    (the harness refuses to resume under a changed config) and the step runs afresh; nothing is deleted."""
+    from specter.reproduce.outputs import set_aside_other_datasets
+
+    folder = tmp_path / "main" / "tiny_qwen-offload_ar-low"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text("dataset:\n  name: humaneval\nnum_prompts: 1\nrepeats: 1\n")
+    (folder / "records.csv").write_text("kept\n")
+    step = Step(name="quick.main-tiny_qwen-low-offload_ar", kind="main", argv=("true",),
+                checks=(Check("run", folder, ("c4", "humaneval")),))
+    moved = set_aside_other_datasets(step, "T")
+    assert len(moved) == 1 and "measured humaneval, not c4, humaneval" in moved[0]
+    assert not folder.exists()
+    assert (tmp_path / "main" / "tiny_qwen-offload_ar-low.humaneval-T" / "records.csv").read_text() == "kept\n"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("dataset:\n  name: all\nnum_prompts: 1\nrepeats: 1\n")
+    same = Step(name=step.name, kind="main", argv=("true",),
+                checks=(Check("run", folder, ("c4", "wikitext2", "humaneval", "gsm8k", "gpqa")),))
+    assert set_aside_other_datasets(same, "T") == [] and folder.exists()
+
+
+def test_run_folder_counts_only_valid_records(tmp_path):
+    """A reference run folder is done; with its last record torn it is not (and the step would run again)."""
+    import shutil
+
+    from specter.reproduce.outputs import check_problem
+
+    folder = tmp_path / "run"
+    shutil.copytree(REPO / "results" / "reference" / "main" / "tiny_dsv2-specter-high", folder)
+    check = Check("run", folder, ("humaneval",))
+    assert check_problem(check) is None
+    assert "ran humaneval, not c4" in check_problem(Check("run", folder, ("c4",)))
+    text = (folder / "records.csv").read_text()
+    (folder / "records.csv").write_text(text[: len(text) - 40])  # the last row torn
+    assert check_problem(check) == f"{folder}/records.csv holds 1 of 2 records"
+    shutil.rmtree(folder)
+    assert check_problem(check) == f"{folder} is missing"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specter.reproduce.estimate import write_timing
-from specter.reproduce.outputs import outputs_problem
+from specter.reproduce.outputs import outputs_problem, set_aside_other_datasets
 from specter.reproduce.plan import Step
 from specter.reproduce.settings import REPO
 
@@ -159,6 +159,8 @@ class Runner:
             self.say(f"{tag}: finished earlier ({why_done}), not rerun")
             return self._keep(Outcome(step, DONE, why=why_done))
         log = self.log_path(step)
+        for line in set_aside_other_datasets(step, time.strftime("%Y%m%d-%H%M%S")):
+            self.say(f"{tag}: {line}")
         self.say(f"{tag}: running (log: {log})")
         t0 = time.monotonic()
         with log.open("w", encoding="utf-8") as fh:

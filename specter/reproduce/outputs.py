@@ -62,6 +62,32 @@ def _run_problem(folder: Path, datasets: tuple[str, ...]) -> str | None:
     return None
 
 
+def recorded_datasets(folder: Path) -> tuple[str, ...] | None:
+    """The datasets a run folder's config.yaml names, or None when it has no readable config."""
+    from specter.harness.datasets import expand_datasets
+
+    try:
+        cfg = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+        return tuple(expand_datasets(cfg["dataset"]["name"]))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return None
+
+
+def set_aside_other_datasets(step: Step, now: str) -> list[str]:
+    """Move aside run folders of `step` made for other datasets (the harness refuses to resume a run
+    folder under a changed config); returns a line per folder moved. Nothing is deleted."""
+    moved = []
+    for check in step.checks:
+        if check.kind not in ("run", "trace") or not check.datasets or not check.path.is_dir():
+            continue
+        before = recorded_datasets(check.path)
+        if before is not None and set(before) != set(check.datasets):
+            dest = check.path.with_name(f"{check.path.name}.{'+'.join(before)}-{now}")
+            check.path.rename(dest)
+            moved.append(f"{check.path} measured {', '.join(before)}, not {', '.join(check.datasets)}: moved to {dest}")
+    return moved
+
+
 def _k_sweep_problem(folder: Path) -> str | None:
     try:
         profile = json.loads((folder / "k_profile.json").read_text(encoding="utf-8"))
