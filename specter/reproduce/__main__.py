@@ -104,8 +104,8 @@ def main(env: dict[str, str] | None = None) -> int:
         # bundled and shipped copies); what is present after it decides what every later step is given
         empty = DatasetDecision((), (), (), assets_dir=s.assets_dir)
         datasets_step = build_plan(s, empty).steps[0]
-        say(f"[datasets] {datasets_step.name}: placing what can be placed (log: {runner.log_path(datasets_step)})")
-        first = runner.run_step(datasets_step, 1, 1, accept=lambda rc: rc in (0, 1))  # 1: some not ready
+        say("reproduce_all: the dataset check first (it decides what every run is given)")
+        first = runner.run_step(datasets_step, 1, 0, accept=lambda rc: rc in (0, 1))  # 1: some not ready
         if first.status == INTERRUPTED:
             return 128 + (runner.signum or 15)
         data = decide(s.dataset, s.assets_dir, prompts, batch_prompts)

@@ -146,7 +146,7 @@ class Runner:
 
     def run_step(self, step: Step, index: int, total: int, accept: Callable[[int], bool] | None = None) -> Outcome:
         """Run (or skip) one step; `accept(rc)` overrides the exit-status rule (the dataset check)."""
-        tag = f"[{index}/{total}] {step.name}"
+        tag = f"[{index}/{total}] {step.name}" if total else f"[{index}] {step.name}"
         blocked = self.blocker(step)
         if blocked is not None:
             root = blocked.root or blocked.step.name
