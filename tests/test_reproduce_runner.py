@@ -234,3 +234,18 @@ def test_run_folder_counts_only_valid_records(tmp_path):
     assert check_problem(check) == f"{folder}/records.csv holds 1 of 2 records"
     shutil.rmtree(folder)
     assert check_problem(check) == f"{folder} is missing"
+
+
+def test_estimate_prefers_this_machine_then_the_reference_then_the_model():
+    from specter.reproduce.estimate import estimate, modelled_seconds
+
+    step = Step(name="quick.main-m-low-offload_ar", kind="main", argv=("python", "run.py", "max_new_tokens=32"),
+                records=5)
+    here = {step.name: {"seconds": 40.0, "command": step.command, "status": "reproduced"}}
+    reference = {step.name: {"seconds": 20.0, "records": 5, "status": "reproduced"}}
+    assert estimate(step, here, reference).source == "measured here" and estimate(step, here, reference).seconds == 40
+    assert estimate(step, {}, reference).seconds == 20.0
+    assert estimate(step, {}, {step.name: {"seconds": 20.0, "records": 2, "status": "reproduced"}}).source == "model"
+    failed = {step.name: {"seconds": 3.0, "command": step.command, "status": "failed"}}
+    assert estimate(step, failed).source == "model"
+    assert modelled_seconds(step) == 11.0 + 5 * 0.9  # startup + records x per-record at 32 tokens

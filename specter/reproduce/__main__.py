@@ -10,12 +10,21 @@ import sys
 import time
 
 from specter.reproduce.datasets import DatasetDecision, decide, label
-from specter.reproduce.estimate import COSTS, MEASURED_ON, estimate, minutes, read_timings
+from specter.reproduce.estimate import (
+    COSTS,
+    MEASURED_ON,
+    REFERENCE_TIMINGS,
+    estimate,
+    keep_timings,
+    minutes,
+    read_timings,
+    read_timings_file,
+)
 from specter.reproduce.execute import FAILED, INTERRUPTED, REPRODUCED, SKIPPED, Outcome, Runner, simulate
 from specter.reproduce.plan import Plan, build_plan, primary
 from specter.reproduce.protocol import protocol
 from specter.reproduce.report import summary, write_summary
-from specter.reproduce.settings import Settings, SettingsError, read_settings
+from specter.reproduce.settings import REPO, Settings, SettingsError, read_settings
 
 
 def say(line: str = "") -> None:
@@ -48,6 +57,7 @@ def no_data_message(data: DatasetDecision) -> list[str]:
 def check_report(s: Settings, plan: Plan) -> list[str]:
     """CHECK=1: what will run (or is done), on what data, and roughly how long on this machine."""
     timings = read_timings(s.logs)
+    reference = read_timings_file(REPO / "results" / "reference" / REFERENCE_TIMINGS)
     runner = Runner(s.logs, force=s.force, say=lambda _: None)
     by_kind: dict[str, list[float]] = {}
     done = 0
@@ -56,7 +66,7 @@ def check_report(s: Settings, plan: Plan) -> list[str]:
         if runner.done_earlier(step):
             done += 1
             continue
-        est = estimate(step, timings)
+        est = estimate(step, timings, reference)
         sources[est.source] = sources.get(est.source, 0) + 1
         by_kind.setdefault(step.kind, []).append(est.seconds)
     lines = ["", f"{'kind':<10} {'steps':>5} {'estimate':>9}"]
@@ -72,6 +82,8 @@ def check_report(s: Settings, plan: Plan) -> list[str]:
     lines.append("estimate: " + "; ".join(
         ([f"{sources['measured here']} step(s) from their own time in {s.logs}/timings.json"]
          if "measured here" in sources else [])
+        + ([f"{sources['reference run']} step(s) from the reference run's times "
+            f"(results/reference/{REFERENCE_TIMINGS})"] if "reference run" in sources else [])
         + ([f"{model} step(s) from per-kind constants (startup + records x per-record; from the "
             f"{MEASURED_ON}; specter/reproduce/estimate.py)"] if model else [])))
     if any(k == "train" for k in by_kind):
@@ -141,6 +153,7 @@ def main(env: dict[str, str] | None = None) -> int:
     for line in lines:
         say(line)
     where = write_summary(lines, s.results)
+    keep_timings(s.logs, s.results, plan.names())
     if where:
         say(f"(this summary: {where})")
     if runner.signum is not None:

@@ -1,7 +1,8 @@
-"""How long a plan takes on this machine: each step's own measured time when one is recorded, else a
-per-kind model (startup + records x per-record + units x per-unit) with constants measured on a
-2-core CPU (tiny models, emulated link). The runner records every step's time in
-`<logs>/timings.json`; a later CHECK=1 on the same machine then uses those.
+"""How long a plan takes on this machine: each step's own measured time when one is recorded here,
+else that step's time in the reference run (`results/reference/reproduce_timings.json`, when the
+reference set carries one), else a per-kind model (startup + records x per-record + units x
+per-unit) with constants derived from the reference run on a 2-core CPU. The runner records every
+step's time in `<logs>/timings.json` and copies the plan's into `<results>/reproduce_timings.json`.
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ FULL_SCALE = {"bench-draft-kernel": 5.0, "bench-verify": 5.0}  # ARTIFACT.md: ~5
 MEASURED_ON = "2-core CPU (the reference set's run)"
 
 
-def read_timings(logs: Path) -> dict[str, dict]:
+def read_timings_file(path: Path) -> dict[str, dict]:
     try:
-        data = json.loads((logs / TIMINGS).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+
+
+def read_timings(logs: Path) -> dict[str, dict]:
+    return read_timings_file(logs / TIMINGS)
 
 
 def write_timing(logs: Path, step: Step, seconds: float, status: str) -> None:
@@ -89,12 +94,29 @@ class Estimate:
     source: str   # "measured here" | "model"
 
 
-def estimate(step: Step, timings: dict[str, dict]) -> Estimate:
-    """A measured time of the same command on this machine, else the per-kind model."""
+def estimate(step: Step, timings: dict[str, dict], reference: dict[str, dict] | None = None) -> Estimate:
+    """A measured time of the same command on this machine, else the same step's time in the
+    reference run (the same step name and records), else the per-kind model."""
     seen = timings.get(step.name)
     if seen and seen.get("command") == step.command and seen.get("status") == "reproduced":
         return Estimate(float(seen["seconds"]), "measured here")
+    ref = (reference or {}).get(step.name)
+    if ref and ref.get("status") == "reproduced" and ref.get("records") == step.records:
+        return Estimate(float(ref["seconds"]), "reference run")
     return Estimate(modelled_seconds(step), "model")
+
+
+REFERENCE_TIMINGS = "reproduce_timings.json"  # beside a result set: the step times of the run that made it
+
+
+def keep_timings(logs: Path, results: Path, names: list[str]) -> Path | None:
+    """Copy this plan's step times beside its results (a reference set then carries them)."""
+    data = {n: v for n, v in read_timings(logs).items() if n in names}
+    try:
+        (results / REFERENCE_TIMINGS).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    except OSError:
+        return None
+    return results / REFERENCE_TIMINGS
 
 
 def minutes(seconds: float) -> str:
