@@ -36,6 +36,8 @@ def header(s: Settings, plan: Plan, data: DatasetDecision) -> list[str]:
              f"tiers: {' '.join(s.tiers)}; hardware: {s.hardware}; methods: {' '.join(s.methods)}"
              + (f"; launcher: {s.launcher}" if s.launcher else ""),
              f"{data.summary()}  [assets: {data.assets_dir}; DATASET={s.dataset}]"]
+    if s.dry_run or s.check:
+        lines.append("  (decided from what is present now; a real run first lets prepare_datasets place what it can)")
     if data.narrowed:
         lines.append("  every run is given these datasets explicitly (dataset=...), as its config.yaml and "
                      "provenance.json record; to add the others:")
