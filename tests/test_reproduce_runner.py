@@ -249,3 +249,31 @@ def test_estimate_prefers_this_machine_then_the_reference_then_the_model():
     failed = {step.name: {"seconds": 3.0, "command": step.command, "status": "failed"}}
     assert estimate(step, failed).source == "model"
     assert modelled_seconds(step) == 11.0 + 5 * 0.9  # startup + records x per-record at 32 tokens
+
+
+def test_kill_9_of_the_runner_still_ends_the_step(tmp_path):
+    """No chance to forward a signal: the step is TERMed by the kernel when its parent dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    pidfile = tmp_path / "pids"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(logs), str(pidfile)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not (pidfile.exists() and len(pidfile.read_text().split()) == 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    step_pid, grandchild = map(int, pidfile.read_text().split())
+    proc.kill()
+    proc.wait()
+    try:
+        deadline = time.monotonic() + 10
+        while _alive(step_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(step_pid)
+    finally:
+        try:
+            os.kill(grandchild, signal.SIGKILL)  # the step's own child is not covered (no signal reached the group)
+        except ProcessLookupError:
+            pass

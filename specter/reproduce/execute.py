@@ -8,6 +8,7 @@ models are shared through SPECTER_HOME, so their outputs alone decide.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ from specter.reproduce.outputs import outputs_problem, set_aside_other_datasets
 from specter.reproduce.plan import Step
 from specter.reproduce.settings import REPO
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_GRACE_S = 20.0  # after TERM, the child's process group gets this long before KILL
 FAILED, SKIPPED, DONE, REPRODUCED, INTERRUPTED, NOT_RUN = (
     "failed", "skipped", "done earlier", "reproduced", "interrupted", "not run")
@@ -168,7 +170,7 @@ class Runner:
             fh.flush()
             try:
                 self.proc = subprocess.Popen(list(step.argv), stdout=fh, stderr=subprocess.STDOUT, cwd=self.repo,
-                                             start_new_session=True)
+                                             start_new_session=True, preexec_fn=_die_with_parent)
             except OSError as err:
                 self.proc = None
                 return self._keep(Outcome(step, FAILED, 0.0, f"cannot start: {err}", [f"cannot start: {err}"]))
@@ -223,6 +225,15 @@ class Runner:
             except Interrupted:  # between steps: nothing is running
                 done.append(self._keep(Outcome(step, NOT_RUN, why="reproduce_all was stopped")))
         return done
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: TERM when reproduce_all dies without a chance to stop it (kill -9)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: TERM/INT/HUP handling still stops the child
+        pass
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
