@@ -233,3 +233,26 @@ def test_check_prints_plan_data_and_estimate(tmp_path):
     assert len(total) == 1 and re.search(r"\d+ (min|s)", total[0])
     assert "per-kind constants" in out and "estimate.py" in out
     assert not STEP.search(out)  # a check lists kinds, not commands
+
+
+@pytest.mark.parametrize("launcher", ["", "slurm"])
+def test_moe_spec_shares_specters_k_profile(tmp_path, launcher):
+    """MoE-Spec budgets Specter's verification: it runs with the same tier's profiled K (and needs its sweep)."""
+    steps, _ = dry_run(tmp_path, LAUNCHER=launcher, METHODS="specter moe_spec offload_ar",
+                       ASSETS=str(many_prompts(tmp_path)), DATASET="gsm8k")
+    cmds = dict(steps)
+    out = tmp_path / "out" / "results"
+    if launcher:
+        spec = cmds["full.main-tiny-specter"]
+        assert "method=specter,moe_spec" in spec and "method=offload_ar" in cmds["full.main-tiny-others"]
+        assert any(a.startswith("k_profile=") and "${memory.name}" in a for a in spec)
+    else:
+        for tier in ("high", "low"):
+            profile = f"k_profile={out}/k_sweep/tiny_qwen-{tier}-emulated/k_profile.json"
+            assert profile in cmds[f"full.main-tiny_qwen-{tier}-specter"]
+            assert profile in cmds[f"full.main-tiny_qwen-{tier}-moe_spec"]
+            assert not any(a.startswith("k_profile=") for a in cmds[f"full.main-tiny_qwen-{tier}-offload_ar"])
+        failed = dict(dry_run(tmp_path, METHODS="specter moe_spec offload_ar", ASSETS=str(tmp_path / "many"),
+                              DATASET="gsm8k", DRY_FAIL="full.k_sweep-tiny_qwen-low")[0])
+        assert failed["full.main-tiny_qwen-low-moe_spec"] == "skipped because full.k_sweep-tiny_qwen-low failed"
+        assert isinstance(failed["full.main-tiny_qwen-low-offload_ar"], list)

@@ -68,6 +68,10 @@ class Plan:
         return [s.name for s in self.steps]
 
 
+# methods that run with the tier's profiled K: Specter, and MoE-Spec (verification-time budgeting on Specter)
+PROFILED = ("specter", "moe_spec")
+
+
 def primary(ready: tuple[str, ...]) -> str:
     """The dataset of one-dataset steps (trace; QUICK batching and prefetch): HumanEval, as the
     batch experiment's default, else the first present."""
@@ -139,7 +143,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
             for tier in s.tiers:
                 for method in s.methods:
                     extra, more = [], ()
-                    if method == "specter":
+                    if method in PROFILED:
                         extra, more = [f"k_profile={_k_profile(s, m, tier)}"], sweep_of(m, tier)
                     out = s.results / "main" / f"{m}-{method}-{tier}"
                     plan.add("main", f"main-{m}-{tier}-{method}",
@@ -224,7 +228,8 @@ def _multirun_grid(plan: Plan, s: Settings, ds: list[str], assets: list[str], tr
     sweep, main = protocol("k_sweep", s.quick), protocol("main", s.quick)
     over = (lambda p, e: p.overrides(e)) if s.quick else (lambda p, e: [])
     profile_tier = "low" if s.quick else "${memory.name}"
-    others = [m for m in s.methods if m not in ("specter", "target_only")]
+    profiled = [m for m in s.methods if m in PROFILED]
+    others = [m for m in s.methods if m not in (*PROFILED, "target_only")]
     sweeps: dict[tuple[str, str], str] = {}
     for group, models in (("tiny", [m for m in s.models if is_tiny(m)]), ("real", [m for m in s.models
                                                                                   if not is_tiny(m)])):
@@ -253,8 +258,8 @@ def _multirun_grid(plan: Plan, s: Settings, ds: list[str], assets: list[str], tr
                      needs=(*needs, *after), checks=checks, units=len(checks),
                      records=len(checks) * len(data.ready) * main.num_prompts * main.repeats)
 
-        if "specter" in s.methods:
-            grid(f"main-{group}-specter", ["specter"], s.hardware,
+        if profiled:
+            grid(f"main-{group}-specter", profiled, s.hardware,
                  f"k_profile={s.results}/k_sweep/" + "${model.name}-" + profile_tier + "-${hardware.name}/k_profile.json",
                  after=(k.name,))
         if "target_only" in s.methods:
