@@ -20,7 +20,16 @@ from specter.reproduce.estimate import (
     read_timings,
     read_timings_file,
 )
-from specter.reproduce.execute import FAILED, INTERRUPTED, REPRODUCED, SKIPPED, Outcome, Runner, simulate
+from specter.reproduce.execute import (
+    FAILED,
+    INTERRUPTED,
+    REPRODUCED,
+    SKIPPED,
+    Interrupted,
+    Outcome,
+    Runner,
+    simulate,
+)
 from specter.reproduce.plan import Plan, build_plan, primary
 from specter.reproduce.protocol import protocol
 from specter.reproduce.report import summary, write_summary
@@ -95,6 +104,17 @@ def check_report(s: Settings, plan: Plan) -> list[str]:
 
 def main(env: dict[str, str] | None = None) -> int:
     try:
+        return _main(env)
+    except Interrupted as sig:  # outside a step (nothing running): stop here
+        print(f"reproduce_all: stopped by {sig}", file=sys.stderr)
+        return 128 + sig.signum
+    except OSError as err:  # the logs or results folder cannot be written
+        print(f"reproduce_all: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _main(env: dict[str, str] | None) -> int:
+    try:
         s = read_settings(env)
         prompts = max(protocol(k, s.quick).num_prompts for k in ("main", "k_sweep", "trace", "prefetch"))
         batch_prompts = protocol("batch", s.quick).num_prompts
@@ -137,6 +157,10 @@ def main(env: dict[str, str] | None = None) -> int:
             say(line)
         return 0
     if s.dry_run:
+        unknown = [n for n in s.dry_fail if n not in plan.names()]
+        if unknown:
+            print(f"reproduce_all: error: DRY_FAIL names no step of this plan: {', '.join(unknown)}", file=sys.stderr)
+            return 2
         outcomes = simulate(plan.steps, set(s.dry_fail), say=say)
         skipped = [o for o in outcomes if o.status == SKIPPED]
         if s.dry_fail:
