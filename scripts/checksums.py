@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         print(f"error: {root} is not a folder", file=sys.stderr)
         return 2
+    if not args.pinned and (root / ".git").exists():
+        print(f"error: {root} is a git checkout, whose {SUMS} pins only the committed data files: "
+              "use --pinned (the file-list check without it is for an unpacked artifact)", file=sys.stderr)
+        return 2
     try:
         expected = pinned_files(root) if args.pinned else tree_files(root)
         if args.action == "write":
