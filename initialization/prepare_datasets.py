@@ -14,6 +14,11 @@ Downloading needs internet (huggingface.co, and github.com for GPQA). What is wr
     gsm8k/test.jsonl                          openai/gsm8k main test rows as JSON lines
     gpqa/dataset.zip                          the upstream password-protected zip, left zipped
 
+Without any of this the harness still runs: `initialization/assets/` (the offline bundle,
+`initialization/dataset_bundle.py`) holds the first prompts of GSM8K, WikiText-2 and HumanEval
+in their upstream formats, read when no prepared file and no hub answers. This script is the
+path to the full datasets, and the only one to C4 and GPQA.
+
 GPQA stays inside its zip: its authors keep it out of plain text so it does not leak
 into training crawls, and the loader reads it in memory. Every file is then verified
 by loading prompts from it with the hub disabled.
