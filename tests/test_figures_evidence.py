@@ -76,6 +76,7 @@ def test_behaviour_keys_still_split(tmp_path):
     assert method_settings({"name": "x", "trace_windows": True, "prefetch": "none", "hardware.recalibrate": 1}) \
         == {"prefetch": "none"}
     assert record_source(("bench", "x"), {"trace_windows": True}) == "bench"
+    assert record_source(("ablation", "staging_buffers=0"), {}) == "bench"
     assert record_source(("trace", "x"), {}) == "trace" and record_source(("main",), {}) == "main"
 
 

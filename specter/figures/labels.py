@@ -5,7 +5,9 @@ differs between them. Settings that only change how a run is observed or where i
 (`MEASUREMENT_KEYS`) never split a method. A run that traced its windows (`method.trace_windows`)
 timed every copy on the host and paid for writing each event, so its times are not the
 method's: it is its own source, "trace", drawn by the timeline figure and the traced-runs
-table, never in Fig. 14 or the headline.
+table, never in Fig. 14 or the headline. Ablations (a `bench` or `ablation` folder, e.g. the
+staging-buffer ablation) are side benchmarks: they keep the main grid to one configuration per
+method, so the headline always finds a bare "specter".
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def record_source(rel_parts: Sequence[str], method_cfg: Mapping[str, Any]) -> st
     """Where a records.csv belongs, from its folder below the result root and its run's method config."""
     if any(p.startswith("B=") for p in rel_parts):
         return "batch"
-    if "bench" in rel_parts:
+    if "bench" in rel_parts or "ablation" in rel_parts:  # side benchmarks and ablations (prefetch, staging)
         return "bench"
     if bool(method_cfg.get("trace_windows")) or "trace" in rel_parts:
         return "trace"

@@ -60,7 +60,7 @@ def compare(results: ResultSet) -> pd.DataFrame:
         if "specter" in p:
             add("TPOT of Specter, high memory, AVG", model, p["specter"], h.get("specter"), "ms/token", here_model)
         for method in p.index.drop("specter", errors="ignore"):
-            here_ratio, note = None, ""
+            here_ratio, note = None, "" if method in h else f"no {method} records here"
             if method in h and "specter" in h:
                 if hw.get(method) == hw.get("specter"):
                     here_ratio = h[method] / h["specter"]
