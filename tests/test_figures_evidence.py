@@ -260,3 +260,21 @@ def test_k_sweep_says_where_its_minimum_is_and_which_k_records_used(tmp_path):
     assert (out.folder / "table_k_used.md").exists() and (out.folder / "fig07_k_sweep.png").exists()
     assert k_sweep.minimum_at(pd.DataFrame({"K": [2, 4, 8], "mean_tpot_ms": [5.0, 6.0, 7.0]})).startswith(
         "edge: smallest")
+
+
+def test_batch_claims_compare_on_one_hardware(tmp_path):
+    """A method measured on two hardware (or on a batch.csv that names none) is never mixed."""
+    root = _batch(tmp_path / "r")
+    other = root / "batch" / "elsewhere"
+    other.mkdir(parents=True)
+    pd.DataFrame([{"method": m, "model": "tiny_dsv2", "memory": "low", "batch_size": 2, "dataset": "gsm8k",
+                   "tpot_mean_ms": 99.0, "throughput_tok_s": 1.0} for m in ("specter", "mo_sm")]).to_csv(
+        other / "batch.csv", index=False)
+    paper = tmp_path / "paper"
+    paper.mkdir()
+    (paper / "claims.csv").write_text("claim,model,method,baseline,batch_from,batch_to,value,unit,source\n"
+                                      "batch_tpot_speedup,dsv2,specter,mo_sm,2,2,2.0,x,test\n")
+    results = ResultSet(root, paper=paper)
+    assert set(batching.load_batch(results)["hardware"]) == {"emulated", "unknown"}
+    row = paper_compare.compare(results).iloc[0]
+    assert row["here"] == pytest.approx(16 / 12)  # emulated rows only (first hardware of specter at B=2)

@@ -65,7 +65,8 @@ def load_batch(results: ResultSet) -> pd.DataFrame:
             continue
         info = results.run_info(path.parent)
         df = df.assign(**{c: df[c] if c in df.columns else (info.get(c) or "") for c in ("memory", "hardware")})
-        df["hardware"] = df["hardware"].fillna(info.get("hardware") or "unknown").astype(str)
+        hw = df["hardware"].where(df["hardware"].notna() & (df["hardware"].astype(str) != ""))
+        df["hardware"] = hw.fillna(info.get("hardware") or "unknown").astype(str)
         if "dataset" not in df.columns:
             df["dataset"] = "all"
         frames.append(df)

@@ -50,7 +50,7 @@ def compare(results: ResultSet) -> pd.DataFrame:
         tpot = tpot.assign(family=tpot["model"].map(fam))
     # single-request TPOT: Specter's speedup over each method, high memory, AVG over datasets
     paper_tpot = _read(paper, "tpot_single_request.csv")
-    for model, g in paper_tpot.groupby("model", sort=False):
+    for model, g in (paper_tpot.groupby("model", sort=False) if not paper_tpot.empty else ()):
         p = g.set_index("method")["tpot_ms"]
         here = tpot[(tpot["family"] == model) & (tpot["memory"] == "high") & (tpot["dataset"] == "AVG")] \
             if not tpot.empty else pd.DataFrame(columns=["method", "mean_ms", "model"])
@@ -136,8 +136,15 @@ def _batch_claim(r, batch: pd.DataFrame, scale: pd.DataFrame, results: ResultSet
     at = avg[avg["batch_size"] == r.batch_to]
     if at.empty and not avg.empty:
         at = avg[avg["batch_size"] == avg["batch_size"].max()]
-    a = at.set_index("method")
-    if r.method not in a.index or r.baseline not in a.index:
+    if r.method not in set(at["method"]):
+        return None, ""
+    # the baseline on the method's own hardware, one row per method
+    hardware = at.loc[at["method"] == r.method, "hardware"].iloc[0] if "hardware" in at else None
+    if hardware is not None:
+        at = at[at["hardware"] == hardware]
+    a = at.groupby("method").agg({**{c: "mean" for c in ("tpot_ms", "throughput_tok_s") if c in at},
+                                  "model": "first", "batch_size": "first"})
+    if r.baseline not in a.index:
         return None, ""
     label = f"{a['model'].iloc[0]} (B={int(a['batch_size'].iloc[0])})"
     if r.claim == "batch_tpot_speedup":
