@@ -278,3 +278,18 @@ def test_batch_claims_compare_on_one_hardware(tmp_path):
     assert set(batching.load_batch(results)["hardware"]) == {"emulated", "unknown"}
     row = paper_compare.compare(results).iloc[0]
     assert row["here"] == pytest.approx(16 / 12)  # emulated rows only (first hardware of specter at B=2)
+
+
+def test_routing_reads_main_grid_routes_only(tmp_path):
+    """Traced runs, K-sweep points and benches repeat the main grid's prompts: their routes are not counted twice."""
+    from specter.figures import routing
+
+    root = tmp_path / "r"
+    main = _run(root / "main" / "specter", "specter", "emulated", 10.0, K=16)
+    traced = _run(root / "trace" / "specter", "specter", "emulated", 5.0, K=16, trace_windows=True)
+    point = _run(root / "k_sweep" / "x" / "K=4", "specter", "emulated", 5.0, K=4)
+    cols = ["dataset", "prompt_index", "repeat", "window", "layer", "expert", "count"]
+    for folder in (main, traced, point):
+        pd.DataFrame([("humaneval", 0, 0, 0, 1, 3, 1)], columns=cols).to_csv(folder / "routes.csv", index=False)
+    routes = routing.load_routes(ResultSet(root))
+    assert routes["run"].tolist() == ["main/specter"]
