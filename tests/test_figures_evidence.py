@@ -293,3 +293,15 @@ def test_routing_reads_main_grid_routes_only(tmp_path):
         pd.DataFrame([("humaneval", 0, 0, 0, 1, 3, 1)], columns=cols).to_csv(folder / "routes.csv", index=False)
     routes = routing.load_routes(ResultSet(root))
     assert routes["run"].tolist() == ["main/specter"]
+
+
+def test_settings_that_differ_between_cells_split_nothing(tmp_path):
+    """A setting that differs between tiers by design (e.g. staging chosen per tier) keeps one name."""
+    root = tmp_path / "r"
+    _run(root / "high", "specter", "emulated", 10.0, memory="high", staging_buffers=8)
+    _run(root / "low", "specter", "emulated", 20.0, memory="low", staging_buffers=2)
+    _run(root / "low-none", "specter", "emulated", 30.0, memory="low", staging_buffers=0)
+    main = ResultSet(root).records("main")
+    by_tier = main.groupby("memory")["variant"].agg(lambda v: sorted(set(v))).to_dict()
+    assert by_tier == {"high": ["specter"],
+                       "low": ["specter[staging_buffers=0]", "specter[staging_buffers=2]"]}

@@ -44,20 +44,28 @@ def record_source(rel_parts: Sequence[str], method_cfg: Mapping[str, Any]) -> st
     return "main"
 
 
-def variant_labels(records: pd.DataFrame) -> pd.Series:
-    """Method name, plus the method settings that differ between runs of that method.
+CELL = ("model", "memory", "hardware")  # runs in different cells are never drawn side by side
 
-    `records["_method_cfg"]` holds each run's settings as JSON (`method_settings`). specter runs
-    that differ only in method.prefetch become 'specter[prefetch=none]' etc.; a method with a
-    single configuration keeps its bare name. Nothing is hard-coded per method.
+
+def variant_labels(records: pd.DataFrame) -> pd.Series:
+    """Method name, plus the method settings that differ between runs of that method in one cell.
+
+    `records["_method_cfg"]` holds each run's settings as JSON (`method_settings`). Two specter runs
+    of one model, tier and hardware that differ only in method.prefetch become
+    'specter[prefetch=none]' etc.; a method with a single configuration per cell keeps its bare
+    name (a setting that differs between models or tiers by design splits nothing). Nothing is
+    hard-coded per method.
     """
     labels = records["method"].astype(str).copy()
-    for method, group in records.groupby("method"):
+    keys = ["method", *(c for c in CELL if c in records.columns)]
+    cells = records[keys].astype(str)  # NaN-safe grouping
+    for _, group in records.groupby([cells[k] for k in keys]):
+        method = str(group["method"].iloc[0])
         cfgs = {c: json.loads(c) for c in group["_method_cfg"].unique()}
         if len(cfgs) < 2:
             continue
-        keys = sorted({k for c in cfgs.values() for k in c})
-        varying = [k for k in keys if len({json.dumps(c.get(k), default=str) for c in cfgs.values()}) > 1]
+        settings = sorted({k for c in cfgs.values() for k in c})
+        varying = [k for k in settings if len({json.dumps(c.get(k), default=str) for c in cfgs.values()}) > 1]
         for raw, c in cfgs.items():
             suffix = ",".join(f"{k}={c.get(k)}" for k in varying)
             labels[group.index[group["_method_cfg"] == raw]] = f"{method}[{suffix}]"
