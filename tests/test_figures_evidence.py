@@ -305,3 +305,13 @@ def test_settings_that_differ_between_cells_split_nothing(tmp_path):
     by_tier = main.groupby("memory")["variant"].agg(lambda v: sorted(set(v))).to_dict()
     assert by_tier == {"high": ["specter"],
                        "low": ["specter[staging_buffers=0]", "specter[staging_buffers=2]"]}
+
+
+def test_two_depths_in_one_cell_are_two_variants(tmp_path):
+    root = tmp_path / "r"
+    _run(root / "k8", "specter", "emulated", 10.0, K=8)
+    _run(root / "k16", "specter", "emulated", 20.0, K=16)
+    _run(root / "other-tier", "specter", "emulated", 20.0, memory="low", K=16)
+    main = ResultSet(root).records("main")
+    assert set(main[main["memory"] == "high"]["variant"]) == {"specter[K=8]", "specter[K=16]"}
+    assert set(main[main["memory"] == "low"]["variant"]) == {"specter"}

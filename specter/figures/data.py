@@ -180,7 +180,10 @@ class ResultSet:
             # method labelling and grouping (specter/figures/labels.py)
             method_cfg = flatten(cfg.get("method") or {})
             df["source"] = record_source(rel, method_cfg)
-            df["_method_cfg"] = json.dumps(method_settings(method_cfg), sort_keys=True, default=str)
+            settings = method_settings(method_cfg)
+            if "K" in df.columns and df["K"].notna().any():  # the speculation depth the run used (top-level K)
+                settings["K"] = ",".join(str(int(k)) for k in sorted(pd.to_numeric(df["K"]).dropna().unique()))
+            df["_method_cfg"] = json.dumps(settings, sort_keys=True, default=str)
             frames.append(df)
         if not frames:
             return pd.DataFrame()
