@@ -23,8 +23,8 @@ from pathlib import Path
 SUMS = "SHA256SUMS"
 REPO = Path(__file__).resolve().parents[1]
 # the repository's pinned data: every committed file under these paths is listed in SHA256SUMS
-PINNED = ("constraints.txt", "results/paper", "results/reference", "specter/models/tiny_checksums.json",
-          "tests/fixtures/datasets")
+PINNED = ("constraints.txt", "initialization/assets", "results/paper", "results/reference",
+          "specter/models/tiny_checksums.json", "tests/fixtures/datasets")
 
 
 def sha256(path: Path) -> str:
