@@ -148,10 +148,10 @@ def _runs(steps):
 def test_dataset_check_narrows_to_the_datasets_present(tmp_path):
     """Two of five present: every run is given exactly those two, said once at the start; no step per missing one."""
     assets = assets_with(tmp_path, "c4", "gsm8k")
-    steps, out = dry_run(tmp_path, QUICK="1", ASSETS=str(assets), DATASET="c4,gsm8k,wikitext2,gpqa")
+    steps, out = dry_run(tmp_path, QUICK="1", ASSETS=str(assets), DATASET="c4,gsm8k,gpqa")  # GPQA: never bundled
     header = [line for line in out.splitlines() if line.startswith("datasets:")]
     assert len(header) == 1
-    assert "datasets: c4 (C4), gsm8k (GK) (not present: wikitext2 (WT), gpqa (GP))" in header[0]
+    assert "datasets: c4 (C4), gsm8k (GK) (not present: gpqa (GP))" in header[0]
     runs = _runs(steps)
     assert runs
     for name, cmd in runs.items():
@@ -162,7 +162,7 @@ def test_dataset_check_narrows_to_the_datasets_present(tmp_path):
             assert chosen == ["dataset=all", "dataset.name=c4\\,gsm8k"], (name, chosen)
     prefetch = dict(steps)["quick.bench-prefetch"]
     assert prefetch[prefetch.index("--datasets") + 1] == "c4"  # QUICK: the ablation on one dataset
-    assert "wikitext2" not in " ".join(" ".join(c) for c in runs.values())
+    assert "gpqa" not in " ".join(" ".join(c) for c in runs.values())
 
 
 def test_one_dataset_present_is_passed_by_name(tmp_path):
@@ -182,6 +182,7 @@ def test_narrowed_dataset_composes_and_validates(tmp_path):
 
     steps, _ = dry_run(tmp_path, QUICK="1", ASSETS=str(assets_with(tmp_path, "c4", "gsm8k")),
                        DATASET="c4,gsm8k,gpqa", MODELS="tiny_qwen", TIERS="high", METHODS="offload_ar")
+    # (gpqa: not present, not bundled)
     cmd = _runs(steps)["quick.main-tiny_qwen-high-offload_ar"]
     cfg = compose(cmd[2:])
     assert expand_datasets(cfg.dataset.name) == ["c4", "gsm8k"]
@@ -191,12 +192,12 @@ def test_narrowed_dataset_composes_and_validates(tmp_path):
 def test_no_dataset_present_stops_with_one_message(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    res = script(tmp_path, DRY_RUN="1", QUICK="1", ASSETS=str(empty), DATASET="c4,gsm8k")
+    res = script(tmp_path, DRY_RUN="1", QUICK="1", ASSETS=str(empty), DATASET="c4,gpqa")  # neither is bundled
     assert res.returncode == 2
     assert not STEP.search(res.stdout) and "Traceback" not in res.stderr
     errors = [line for line in res.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "none of the requested datasets" in errors[0]
-    assert f"{empty}/c4/" in res.stderr and f"{empty}/gsm8k/" in res.stderr  # where each file goes
+    assert f"{empty}/c4/" in res.stderr and f"{empty}/gpqa/" in res.stderr  # where each file goes
     assert "prepare_datasets" in res.stderr
 
 
@@ -256,3 +257,20 @@ def test_moe_spec_shares_specters_k_profile(tmp_path, launcher):
                               DATASET="gsm8k", DRY_FAIL="full.k_sweep-tiny_qwen-low")[0])
         assert failed["full.main-tiny_qwen-low-moe_spec"] == "skipped because full.k_sweep-tiny_qwen-low failed"
         assert isinstance(failed["full.main-tiny_qwen-low-offload_ar"], list)
+
+
+def test_bare_clone_runs_on_the_offline_bundle(tmp_path):
+    """No assets at all: the datasets the repository bundles (initialization/assets) are what the runs use."""
+    from specter.harness.datasets import bundle_manifest
+
+    bundled = [n for n in ("c4", "wikitext2", "humaneval", "gsm8k", "gpqa") if n in bundle_manifest()]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    steps, out = dry_run(tmp_path, QUICK="1", ASSETS=str(empty), MODELS="tiny_qwen", METHODS="offload_ar")
+    line = next(line for line in out.splitlines() if line.startswith("datasets:"))
+    for name in bundled:
+        assert f"{name} (" in line.split("(not present")[0], (name, line)
+    from specter.reproduce.datasets import dataset_overrides
+
+    cmd = _runs(steps)["quick.main-tiny_qwen-high-offload_ar"]
+    assert [a for a in cmd if a.startswith("dataset")] == dataset_overrides(tuple(bundled))
