@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specter.models.compact.cache import StaticKVCache
-from specter.models.compact.ops import Proj, Rope, attend, fuse, norm_of, proj
+from specter.models.compact.ops import Proj, Rope, attend, cols, fuse, norm_of, proj, seq
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Step:
     past: int  # cached positions before them
     cos: torch.Tensor  # [T, 1, D_rope] (broadcast over heads)
     sin: torch.Tensor  # [T, 1, D_rope]
-    mask: torch.Tensor | None  # [T, past+T] bool, None when T == 1
+    mask: torch.Tensor | None  # additive [T, past+T], None when T == 1
     cache: StaticKVCache
 
 
@@ -38,13 +38,17 @@ class GQAAttention:
         self.scale = float(getattr(attn, "scaling", head_dim ** -0.5))
 
     def __call__(self, x: torch.Tensor, s: Step) -> torch.Tensor:  # x [N, H] -> [N, H]
-        qkv = self.qkv(x).view(s.batch, s.t, self.h + 2 * self.hkv, self.d)  # [B, T, Hq+2Hkv, D]
+        b, t, g = s.batch, s.t, self.h // self.hkv
+        qkv = self.qkv(x).view(b, t, self.h + 2 * self.hkv, self.d)  # [B, T, Hq+2Hkv, D]
         qk = self.rope.apply(qkv[:, :, :self.h + self.hkv], s.cos, s.sin)  # [B, T, Hq+Hkv, D]
-        q = qk[:, :, :self.h].transpose(1, 2)  # [B, Hq, T, D]
         k, v = s.cache.write(self.layer, qk[:, :, self.h:].transpose(1, 2),
                              qkv[:, :, self.h + self.hkv:].transpose(1, 2))  # [B, Hkv, past+T, D] each
-        o = attend(q, k, v, s.mask, self.scale, self.hkv != self.h)  # [B, Hq, T, D]
-        return self.o(o.transpose(1, 2).reshape(s.batch * s.t, self.h * self.d))  # [N, H]
+        n_kv = k.shape[2]
+        q = qk[:, :, :self.h].view(b, t, self.hkv, g, self.d).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, T, D]
+        o = attend(q.reshape(b * self.hkv, g * t, self.d), k.reshape(b * self.hkv, n_kv, self.d),
+                   v.reshape(b * self.hkv, n_kv, self.d), s.mask, self.scale, t)  # [B*Hkv, g*T, D]
+        o = o.view(b, self.hkv, g, t, self.d).permute(0, 3, 1, 2, 4)  # [B, T, Hkv, g, D]
+        return self.o(o.reshape(b * t, self.h * self.d))  # [N, H]
 
 
 class MLAAttention:
@@ -88,22 +92,24 @@ class MLAAttention:
     def __call__(self, x: torch.Tensor, s: Step) -> torch.Tensor:  # x [N, H] -> [N, H]
         n = x.shape[0]
         a = self.in_proj(x)  # [N, q_width + rank + rope]
-        q = a[:, :self.q_width]
+        q = cols(a, 0, self.q_width)
         if self.q_b is not None:
             q = self.q_b(self.q_norm(q))  # [N, Hq*(nope+rope)]
         q = q.view(n, self.h, self.nope + self.rope_dim)  # [N, Hq, nope+rope]
-        latent = self.kv_norm(a[:, self.q_width:self.q_width + self.rank])  # [N, rank]
-        k_pe = a[:, self.q_width + self.rank:].view(n, 1, self.rope_dim)  # [N, 1, rope]
+        latent = self.kv_norm(cols(a, self.q_width, self.rank))  # [N, rank]
+        k_pe = cols(a, self.q_width + self.rank, self.rope_dim).reshape(n, 1, self.rope_dim)  # [N, 1, rope]
         pe = self.rope.apply(torch.cat([q[..., self.nope:], k_pe], 1).view(s.batch, s.t, self.h + 1, self.rope_dim),
                              s.cos, s.sin)  # [B, T, Hq+1, rope]
         q_lat = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk)  # [Hq, N, rank]
         query = torch.cat([q_lat.view(self.h, s.batch, s.t, self.rank).permute(1, 0, 2, 3),
                            pe[:, :, :self.h].transpose(1, 2)], -1)  # [B, Hq, T, rank+rope]
         cache = s.cache
-        slot = cache.keys[self.layer].narrow(2, cache.length, s.t)  # [B, 1, T, rank+rope]
+        slot = seq(cache.keys[self.layer], cache.length, s.t)  # [B, 1, T, rank+rope]
         slot[..., :self.rank].copy_(latent.view(s.batch, 1, s.t, self.rank))
         slot[..., self.rank:].copy_(pe[:, :, self.h:].transpose(1, 2))
-        kv = cache.keys[self.layer].narrow(2, 0, cache.length + s.t)  # [B, 1, past+T, rank+rope]
-        o = attend(query, kv, kv[..., :self.rank], s.mask, self.scale, True)  # [B, Hq, T, rank]
-        o = torch.bmm(o.permute(1, 0, 2, 3).reshape(self.h, n, self.rank), self.w_uv_t)  # [Hq, N, v]
+        kv = seq(cache.keys[self.layer], 0, cache.length + s.t)[:, 0]  # [B, past+T, rank+rope]
+        o = attend(query.view(s.batch, self.h * s.t, -1), kv, kv[..., :self.rank], s.mask, self.scale,
+                   s.t)  # [B, Hq*T, rank]
+        o = o.view(s.batch, self.h, s.t, self.rank).permute(1, 0, 2, 3)  # [Hq, B, T, rank]
+        o = torch.bmm(o.reshape(self.h, n, self.rank), self.w_uv_t)  # [Hq, N, v]
         return self.o(o.transpose(0, 1).reshape(n, self.h * self.vdim))  # [N, H]

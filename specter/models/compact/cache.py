@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from specter.models.compact.ops import seq
+
 
 class CacheFull(RuntimeError):
     """A forward would write past the preallocated length."""
@@ -73,9 +75,9 @@ class StaticKVCache:
         t = key.shape[2]  # key [B, H_kv, T, D], value [B, H_kv, T, D_v]
         end = self.length + t
         k, v = self.keys[layer], self.values[layer]
-        k.narrow(2, self.length, t).copy_(key)
-        v.narrow(2, self.length, t).copy_(value)
-        return k.narrow(2, 0, end), v.narrow(2, 0, end)  # [B, H_kv, length+T, D], [B, H_kv, length+T, D_v]
+        seq(k, self.length, t).copy_(key)
+        seq(v, self.length, t).copy_(value)
+        return seq(k, 0, end), seq(v, 0, end)  # [B, H_kv, length+T, D], [B, H_kv, length+T, D_v]
 
     def advance(self, t: int) -> None:
         """After every layer wrote its T positions: they are now part of the cache."""

@@ -121,7 +121,7 @@ class CompactCausalLM:
                              "build the compact model with a larger max_length")
         cache.reserve(t)
         cos, sin = self.rope.tables(past, t)  # [T, 1, D] each
-        step = Step(b, t, past, cos, sin, causal_mask(past, t, input_ids.device, self.window), cache)
+        step = Step(b, t, past, cos, sin, causal_mask(past, t, input_ids.device, self.dtype, self.window), cache)
         x = self.embed[input_ids.reshape(-1)]  # [N, H]
         for layer in self.layers:
             x = x + layer.attn(layer.attn_norm(x), step)

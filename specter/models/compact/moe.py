@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from specter.models.compact.ops import FusedExperts, GatedMLP, Proj, fuse, glu, proj
+from specter.models.compact.ops import FusedExperts, GatedMLP, Proj, cols, fuse, glu, proj
 
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -62,15 +62,15 @@ class QwenMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         a = self.proj_in(x)  # [N, (E) + 2I_s + 1]
-        logits = a[:, :self.E] if self.router is None else self.router(x)  # [N, E]
-        probs = torch.softmax(logits, -1, dtype=torch.float32)  # [N, E]
+        logits = cols(a, 0, self.E) if self.router is None else self.router(x)  # [N, E]
+        probs = torch.softmax(logits, -1, dtype=torch.float32) if logits.dtype != torch.float32 else logits.softmax(-1)
         w, idx = torch.topk(probs, self.top_k, -1)  # [N, k]
         if self.norm:
             w = w / w.sum(-1, keepdim=True)
-        routed = self.experts(x, idx, w.to(x.dtype))  # [N, H]
+        routed = self.experts(x, idx, w if w.dtype == x.dtype else w.to(x.dtype))  # [N, H]
         o = self.off
-        shared = self.down(glu(a[:, o:o + 2 * self.inter], self.act, self.inter))  # [N, H]
-        gate = torch.sigmoid(a[:, o + 2 * self.inter:])  # [N, 1]
+        shared = self.down(glu(cols(a, o, 2 * self.inter), self.act, self.inter))  # [N, H]
+        gate = torch.sigmoid(cols(a, o + 2 * self.inter, 1))  # [N, 1]
         return torch.addcmul(routed, shared, gate)
 
 
@@ -96,7 +96,7 @@ class DeepSeekMoE:
         self.down = proj(se.down_proj)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(logits, -1, dtype=torch.float32)  # [N, E]
+        probs = logits.softmax(-1) if logits.dtype == torch.float32 else torch.softmax(logits, -1, dtype=torch.float32)
         if self.method == "group_limited_greedy":
             n = probs.shape[0]
             group_scores = probs.view(n, self.groups, -1).amax(-1)  # [N, G]
@@ -110,11 +110,11 @@ class DeepSeekMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         a = self.proj_in(x)  # [N, (E) + 2I_s]
-        logits = a[:, :self.E] if self.router is None else self.router(x.float())  # [N, E] fp32
+        logits = cols(a, 0, self.E) if self.router is None else self.router(x.float())  # [N, E] fp32
         idx, w = self.route(logits)
         routed = self.experts(x, idx, w)  # [N, H]
         o = self.off
-        return routed + self.down(glu(a[:, o:], self.act, self.inter))
+        return routed + self.down(glu(cols(a, o, 2 * self.inter), self.act, self.inter))
 
 
 class PhiMoE:
@@ -146,7 +146,7 @@ class PhiMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         idx, w = self.route(self.router(x))
-        return self.experts(x, idx, w.to(x.dtype))
+        return self.experts(x, idx, w if w.dtype == x.dtype else w.to(x.dtype))
 
 
 class DenseMLP:

@@ -64,17 +64,31 @@ def fuse(linears: Sequence[torch.nn.Module]) -> Proj:
     return Proj(fused_w.t(), fused_b)
 
 
+def cols(a: torch.Tensor, start: int, width: int) -> torch.Tensor:
+    """a[:, start:start+width] of a 2-D tensor as one `as_strided` (indexing costs two operators)."""
+    return a.as_strided((a.shape[0], width), (a.stride(0), a.stride(1)), a.storage_offset() + start * a.stride(1))
+
+
+def seq(buf: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """buf[:, :, start:start+length] of a [B, H, S, D] buffer as one `as_strided` (narrow costs three)."""
+    b, h, _, d = buf.shape
+    st = buf.stride()
+    return buf.as_strided((b, h, length, d), st, buf.storage_offset() + start * st[2])
+
+
 class RMSNorm:
-    """transformers' RMSNorm (fp32 statistics, weight applied in the input dtype) in seven operators."""
+    """transformers' RMSNorm (fp32 statistics, weight applied in the input dtype) in seven operators;
+    the constants are 0-dim tensors so no Python scalar is wrapped per call."""
 
     def __init__(self, module: torch.nn.Module):
         self.weight = module.weight  # [H]
-        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
-        self.size = self.weight.shape[0]
+        eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        self.eps = torch.tensor(eps, dtype=torch.float32, device=self.weight.device)
+        self.size = torch.tensor(float(self.weight.shape[0]), dtype=torch.float32, device=self.weight.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         xf = x.float() if x.dtype != torch.float32 else x
-        var = xf.pow(2).sum(-1, keepdim=True).div_(self.size).add_(self.eps).rsqrt_()  # [N, 1]
+        var = torch.sum(xf * xf, -1, keepdim=True).div_(self.size).add_(self.eps).rsqrt_()  # [N, 1]
         y = xf * var
         return self.weight * (y.to(x.dtype) if x.dtype != torch.float32 else y)
 
@@ -130,6 +144,10 @@ class Rope:
         xr = torch.matmul(x, self.rot)  # [B, T, n, D] pairs swapped, signed
         return torch.addcmul(x * cos, xr, sin)  # [B, T, n, D]
 
+    def apply_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [R, D] (contiguous rows) whose rows broadcast against cos/sin [R or 1, D]."""
+        return torch.addcmul(x * cos, torch.mm(x, self.rot), sin)
+
 
 def rope_tables(rotary: torch.nn.Module, length: int, device: torch.device, dtype: torch.dtype,
                 complex_form: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,30 +180,41 @@ def rope_tables(rotary: torch.nn.Module, length: int, device: torch.device, dtyp
 
 
 # ------------------------------------------------------------------------------------ attention
-def causal_mask(past: int, t: int, device: torch.device, window: int | None = None) -> torch.Tensor | None:
-    """Boolean [T, past+T] mask (True = attend) for T new positions after `past` cached ones;
-    with a sliding `window`, position q sees keys q-window < k <= q (transformers' rule).
+def causal_mask(past: int, t: int, device: torch.device, dtype: torch.dtype,
+                window: int | None = None) -> torch.Tensor | None:
+    """Additive [T, past+T] mask (0 = attend, -inf = not) for T new positions after `past` cached
+    ones; with a sliding `window`, position q sees keys q-window < k <= q (transformers' rule).
     None when every new position sees every cached one (one token inside the window)."""
     if t == 1 and (window is None or past + 1 <= window):
         return None
     q = torch.arange(past, past + t, device=device)[:, None]  # [T, 1]
     k = torch.arange(past + t, device=device)[None]  # [1, past+T]
-    mask = k <= q
+    allowed = k <= q
     if window is not None:
-        mask &= k > q - window
-    return mask
+        allowed &= k > q - window
+    return torch.zeros(allowed.shape, device=device, dtype=dtype).masked_fill_(~allowed, float("-inf"))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           gqa: bool) -> torch.Tensor:
-    """q [B, H, T, D], k [B, H_kv, S, D], v [B, H_kv, S, D_v] -> [B, H, T, D_v]."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+           t: int) -> torch.Tensor:
+    """Grouped attention as plain batched products (a handful of operators; SDPA costs ~70 on CPU).
+
+    q [G_b, g·T, D] with rows ordered (query head within its group, position); k [G_b, S, D];
+    v [G_b, S, D_v]; G_b = batch x KV heads. mask: additive [T, S] or None. -> [G_b, g·T, D_v].
+    Softmax in fp32, as transformers' eager attention.
+    """
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)  # [G_b, g*T, S]
+    if mask is not None:
+        gb, rows, s = scores.shape
+        scores = scores.view(gb, rows // t, t, s).add_(mask).view(gb, rows, s)
+    p = torch.softmax(scores, -1) if scores.dtype == torch.float32 else torch.softmax(scores, -1, dtype=torch.float32)
+    return torch.bmm(p.to(v.dtype) if p.dtype != v.dtype else p, v)  # [G_b, g*T, D_v]
 
 
 # -------------------------------------------------------------------------------------- experts
 def glu(h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], inter: int) -> torch.Tensor:
-    """act(gate) * up for h = [gate | up] along the last dim."""
-    return act(h[..., :inter]).mul_(h[..., inter:])
+    """act(gate) * up for h = [gate | up] along the last dim of a 2-D [N, 2I] tensor."""
+    return act(cols(h, 0, inter)).mul_(cols(h, inter, inter))
 
 
 @dataclass
@@ -217,25 +246,35 @@ class FusedExperts:
     """
 
     def __init__(self, module: torch.nn.Module):
-        self.gate_up = list(module.gate_up_proj.unbind(0))  # E x [2I, H]
-        self.down = list(module.down_proj.unbind(0))  # E x [H, I]
-        self.gate_up_t = [w.t() for w in self.gate_up]  # E x [H, 2I]
+        gate_up, down = module.gate_up_proj, module.down_proj  # [E, 2I, H], [E, H, I]
+        self.inter = down.shape[-1]
+        self.gate = list(gate_up[:, :self.inter].unbind(0))  # E x [I, H] views
+        self.up = list(gate_up[:, self.inter:].unbind(0))  # E x [I, H] views
+        self.down = list(down.unbind(0))  # E x [H, I]
+        self.gate_up_t = [w.t() for w in gate_up.unbind(0)]  # E x [H, 2I]
         self.down_t = [w.t() for w in self.down]  # E x [I, H]
-        self.num_experts = len(self.gate_up)
-        self.inter = module.down_proj.shape[-1]
+        self.num_experts = len(self.gate)
         self.act = module.act_fn
+        self.silu = isinstance(self.act, torch.nn.SiLU)
+        self.scratch = gate_up.new_empty(self.inter)  # ignored input of the beta=0 products
+        self.zero_h = gate_up.new_empty(gate_up.shape[-1])
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]  # x [N, H], topk_idx / topk_w [N, k]
-        if n == 1:
-            x1 = x[0]  # [H]
-            out = torch.zeros_like(x1)  # [H]
-            for e, w in zip(topk_idx[0].tolist(), topk_w[0].tolist()):
+        if n == 1:  # five operators per route: two mat-vecs, act, product, accumulating mat-vec
+            x1 = x.view(-1)  # [H]
+            out = None
+            for e, w in zip(topk_idx.view(-1).tolist(), topk_w.view(-1).tolist()):
                 if e >= self.num_experts:  # a dropped route ("no expert")
                     continue
-                h = glu(torch.mv(self.gate_up[e], x1), self.act, self.inter)  # [I]
-                out.addmv_(self.down[e], h.to(x1.dtype), alpha=w)
-            return out[None]  # [1, H]
+                g = torch.addmv(self.scratch, self.gate[e], x1, beta=0)  # [I]
+                u = torch.addmv(self.scratch, self.up[e], x1, beta=0)  # [I]
+                h = (torch.nn.functional.silu(g, inplace=True) if self.silu else self.act(g)).mul_(u)  # [I]
+                if out is None:
+                    out = torch.addmv(self.zero_h, self.down[e], h, beta=0, alpha=w)  # [H]
+                else:
+                    out.addmv_(self.down[e], h, alpha=w)
+            return torch.zeros_like(x) if out is None else out.view(1, -1)  # [1, H]
         out = torch.zeros_like(x)  # [N, H]
         flat = topk_idx.reshape(-1)  # [N*k]
         order = torch.argsort(flat, stable=True)  # routes grouped by expert
