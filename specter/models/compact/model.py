@@ -49,10 +49,11 @@ class CompactCausalLM:
         self.embed = inner.embed_tokens.weight  # [V, H]
         param = next(model.parameters())
         self.device, self.dtype = self.embed.device, param.dtype
-        length = max_length or int(getattr(config, "max_position_embeddings", 4096))
-        mla = config.model_type == "deepseek_v2"
-        cos, sin = rope_tables(inner.rotary_emb, length, self.device, self.dtype, complex_form=mla)
-        self.rope = Rope(cos, sin, interleaved=mla)
+        length = max_length or min(4096, int(getattr(config, "max_position_embeddings", 4096)))
+        self.mla = mla = config.model_type == "deepseek_v2"
+        self.rotary = inner.rotary_emb
+        cos, sin = rope_tables(self.rotary, length, self.device, self.dtype, complex_form=mla)
+        self.rope = Rope(cos, sin, interleaved=mla)  # shared by every layer; extended in place
         self.window = self._sliding_window()
         self.layers = [self._layer(i, layer, compact_experts) for i, layer in enumerate(inner.layers)]
         self.norm = norm_of(inner.norm)
@@ -117,8 +118,8 @@ class CompactCausalLM:
         b, t = input_ids.shape
         past = cache.length
         if past + t > self.rope.length:
-            raise ValueError(f"position {past + t} is past the rope table ({self.rope.length}); "
-                             "build the compact model with a larger max_length")
+            self.rope.cos, self.rope.sin = rope_tables(self.rotary, max(past + t, 2 * self.rope.length), self.device,
+                                                       self.dtype, complex_form=self.mla)
         cache.reserve(t)
         cos, sin = self.rope.tables(past, t)  # [T, 1, D] each
         step = Step(b, t, past, cos, sin, causal_mask(past, t, input_ids.device, self.dtype, self.window), cache)
