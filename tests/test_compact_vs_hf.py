@@ -240,3 +240,23 @@ def test_unsupported_architecture_is_refused():
                                         num_key_value_heads=1, intermediate_size=32, num_local_experts=2))
     with pytest.raises(ValueError, match="no compact decode path"):
         build_compact(model)
+
+
+def test_sparsemixer_matches_its_reference_and_transformers():
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    from specter.models.compact.moe import PhiMoE
+    from specter.models.tiny import make_config
+
+    config = make_config("tiny_phi")
+    model = _random_model(config)
+    moe = PhiMoE(model.model.layers[0].mlp, config)
+    scores = torch.randn(64, config.num_local_experts, generator=torch.Generator().manual_seed(4))
+    scores[:8] *= 0.001  # many logits inside the jitter band
+    with torch.inference_mode():
+        idx, w = moe.route(scores)
+        ref_idx, ref_w = moe.route_reference(scores)
+        hf_w, hf_idx = sparsemixer(scores, jitter_eps=config.router_jitter_noise, training=False)
+    assert torch.equal(idx, ref_idx) and torch.equal(idx, hf_idx)
+    torch.testing.assert_close(w, ref_w)
+    torch.testing.assert_close(w, hf_w)

@@ -115,7 +115,7 @@ class TargetOnly(Method):
         tokens = generate_autoregressive(self.model, prompt_ids, max_new_tokens, self.params, generator, clock)
         return Generation(tokens, clock)
 
-    def static_fields(self) -> dict[str, Any]:
+    def environment(self) -> dict[str, Any]:
         return {"decode_path": "compact" if self.compact is not None else "hf"}
 
     def generate_batch(self, prompts, max_new_tokens, generators):

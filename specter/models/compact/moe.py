@@ -128,10 +128,27 @@ class PhiMoE:
         if int(getattr(config, "num_experts_per_tok", 2)) != 2:
             raise NotImplementedError("PhiMoE's sparsemixer routes exactly two experts per token")
         self.experts = experts_of(block.experts, compact_experts)
+        w = router.weight
+        self.band = torch.tensor(2 * self.eps, dtype=w.dtype, device=w.device)
+        self.neg_inf = torch.tensor(float("-inf"), dtype=w.dtype, device=w.device)
+        self.expert_ids = torch.arange(self.E, device=w.device)  # [E]
+        self.second_row = torch.tensor([[False], [True]], device=w.device)  # [2, 1]
 
     def route(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sparsemixer (eval): for each of the two picks, a softmax over the logits within a relative
-        2·eps band of the pick's logit, evaluated at the pick; the second pick excludes the first."""
+        """Sparsemixer (eval), both picks at once: pick j's weight is a softmax over the logits within
+        a relative 2·eps band of its logit, taken at the pick; the second pick's softmax excludes the
+        first pick. scores [N, E] -> (idx [N, 2], w [N, 2])."""
+        top, idx = torch.topk(scores, 2, -1)  # [N, 2]: the first pick, then the best of the rest
+        thr = top.unsqueeze(-1)  # [N, 2, 1]
+        s = scores.unsqueeze(1)  # [N, 1, E]
+        out_of_band = torch.gt((thr - s) / torch.maximum(s.abs(), thr), self.band)  # [N, 2, E]
+        first = torch.eq(self.expert_ids, idx[:, :1]).unsqueeze(1)  # [N, 1, E]
+        out_of_band |= first & self.second_row  # the second softmax never sees the first pick
+        w = torch.where(out_of_band, self.neg_inf, s).softmax(-1)  # [N, 2, E]
+        return idx, w.gather(-1, idx.unsqueeze(-1)).view(-1, 2)  # [N, 2] each
+
+    def route_reference(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' sparsemixer in eval mode, step by step (the slow reference of `route`)."""
         eps2 = 2 * self.eps
         top1, idx1 = scores.max(-1, keepdim=True)  # [N, 1]
         factor = scores.abs().clamp(min=top1)  # [N, E]
