@@ -38,6 +38,8 @@ class GQAAttention:
         self.scale = float(getattr(attn, "scaling", head_dim ** -0.5))
 
     def __call__(self, x: torch.Tensor, s: Step) -> torch.Tensor:  # x [N, H] -> [N, H]
+        if s.batch == 1 and s.t == 1:
+            return self.one_token(x, s)
         b, t, g = s.batch, s.t, self.h // self.hkv
         qkv = self.qkv(x).view(b, t, self.h + 2 * self.hkv, self.d)  # [B, T, Hq+2Hkv, D]
         qk = self.rope.apply(qkv[:, :, :self.h + self.hkv], s.cos, s.sin)  # [B, T, Hq+Hkv, D]
@@ -49,6 +51,20 @@ class GQAAttention:
                    v.reshape(b * self.hkv, n_kv, self.d), s.mask, self.scale, t)  # [B*Hkv, g*T, D]
         o = o.view(b, self.hkv, g, t, self.d).permute(0, 3, 1, 2, 4)  # [B, T, Hkv, g, D]
         return self.o(o.reshape(b * t, self.h * self.d))  # [N, H]
+
+    def one_token(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        """The decode step (B = T = 1): every layout change is a view."""
+        h, hkv, d = self.h, self.hkv, self.d
+        qkv = self.qkv(x).view(h + 2 * hkv, d)  # [Hq+2Hkv, D]
+        qk = self.rope.apply_rows(qkv[:h + hkv], s.cos[0], s.sin[0])  # [Hq+Hkv, D]
+        cache, pos = s.cache, s.past
+        keys, values = cache.keys[self.layer], cache.values[self.layer]  # [1, Hkv, S_max, D]
+        seq(keys, pos, 1).copy_(qk[h:].view(1, hkv, 1, d))
+        seq(values, pos, 1).copy_(qkv[h + hkv:].view(1, hkv, 1, d))
+        k = seq(keys, 0, pos + 1)[0]  # [Hkv, pos+1, D]
+        v = seq(values, 0, pos + 1)[0]
+        o = attend(qk[:h].view(hkv, h // hkv, d), k, v, None, self.scale, 1)  # [Hkv, g, D]
+        return self.o(o.view(1, h * d))  # [1, H]
 
 
 class MLAAttention:

@@ -141,7 +141,7 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, n, D]; cos/sin [T, 1, D] of its positions (broadcast over rows and heads)."""
-        xr = torch.matmul(x, self.rot)  # [B, T, n, D] pairs swapped, signed
+        xr = torch.mm(x.reshape(-1, x.shape[-1]), self.rot).view(x.shape)  # [B, T, n, D] pairs swapped, signed
         return torch.addcmul(x * cos, xr, sin)  # [B, T, n, D]
 
     def apply_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
