@@ -260,3 +260,35 @@ def test_sparsemixer_matches_its_reference_and_transformers():
     assert torch.equal(idx, ref_idx) and torch.equal(idx, hf_idx)
     torch.testing.assert_close(w, ref_w)
     torch.testing.assert_close(w, hf_w)
+
+
+# ------------------------------------------------------------------------------------ harness
+@pytest.mark.parametrize("model", ["tiny_qwen", "tiny_dsv2", "tiny_phi"])
+def test_target_only_compact_path_gives_the_same_tokens(model, tmp_path, tiny_checkpoint):
+    import json
+
+    import pandas as pd
+    from conftest import FIXTURES, compose
+
+    from specter.harness.run import run
+
+    tiny_checkpoint(model)
+    digests = {}
+    for path in ("hf", "compact"):
+        out = run(compose([f"model={model}", "method=target_only", f"method.decode_path={path}", "dataset=humaneval",
+                           "num_prompts=2", "repeats=1", "max_new_tokens=12", "warmup_tokens=2", "progress=false",
+                           f"assets_dir={FIXTURES / 'datasets'}", f"output_dir={tmp_path / path}"]))
+        digests[path] = pd.read_csv(out / "records.csv").output_digest.tolist()
+        assert path in (out / "env.json").read_text() and json.loads((out / "env.json").read_text())
+    assert digests["hf"] == digests["compact"]
+
+
+def test_unknown_decode_path_is_one_clear_error(tiny_checkpoint):
+    from conftest import compose
+
+    from specter.harness.config import ConfigError
+    from specter.harness.methods import compact_decoder
+
+    cfg = compose(["model=tiny_qwen", "method=target_only", "method.decode_path=fast"])
+    with pytest.raises(ConfigError, match="decode_path='fast'"):
+        compact_decoder(cfg, None)

@@ -106,6 +106,8 @@ class MLAAttention:
         self.scale = float(attn.scaling)
 
     def __call__(self, x: torch.Tensor, s: Step) -> torch.Tensor:  # x [N, H] -> [N, H]
+        if s.batch == 1 and s.t == 1:
+            return self.one_token(x, s)
         n = x.shape[0]
         a = self.in_proj(x)  # [N, q_width + rank + rope]
         q = cols(a, 0, self.q_width)
@@ -129,3 +131,23 @@ class MLAAttention:
         o = o.view(s.batch, self.h, s.t, self.rank).permute(1, 0, 2, 3)  # [Hq, B, T, rank]
         o = torch.bmm(o.reshape(self.h, n, self.rank), self.w_uv_t)  # [Hq, N, v]
         return self.o(o.transpose(0, 1).reshape(n, self.h * self.vdim))  # [N, H]
+
+    def one_token(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        """The decode step (B = T = 1) with views only; the new [c | k_pe] written in one copy."""
+        h, nope, rank = self.h, self.nope, self.rank
+        a = self.in_proj(x)  # [1, q_width + rank + rope]
+        q = cols(a, 0, self.q_width)
+        if self.q_b is not None:
+            q = self.q_b(self.q_norm(q))  # [1, Hq*(nope+rope)]
+        q = q.view(h, nope + self.rope_dim)  # [Hq, nope+rope]
+        latent = self.kv_norm(cols(a, self.q_width, rank))  # [1, rank]
+        pe = self.rope.apply_rows(torch.cat([q[:, nope:], cols(a, self.q_width + rank, self.rope_dim)]),
+                                  s.cos[0], s.sin[0])  # [Hq+1, rope]
+        q_lat = torch.bmm(q[:, :nope].unsqueeze(1), self.w_uk)  # [Hq, 1, rank]
+        query = torch.cat([q_lat.view(h, rank), pe[:h]], -1)  # [Hq, rank+rope]
+        keys, pos = s.cache.keys[self.layer], s.past  # [1, 1, S_max, rank+rope]
+        seq(keys, pos, 1).copy_(torch.cat([latent, pe[h:]], -1).view(1, 1, 1, -1))
+        kv = seq(keys, 0, pos + 1).view(1, pos + 1, -1)  # [1, pos+1, rank+rope]
+        o = attend(query.view(1, h, -1), kv, kv[..., :rank], None, self.scale, 1)  # [1, Hq, rank]
+        o = torch.bmm(o.view(h, 1, rank), self.w_uv_t)  # [Hq, 1, v]
+        return self.o(o.view(1, h * self.vdim))  # [1, H]
