@@ -240,7 +240,8 @@ class FusedExperts:
     """Routed experts over a transformers fused experts module's own `gate_up_proj [E, 2I, H]` and
     `down_proj [E, H, I]` (per-expert views taken once; no copy).
 
-    One token: a loop over its k routes, one `mv` and one accumulating `addmv_` each.
+    One token: a loop over its k routes, five operators each (gate and up mat-vecs, act, product,
+    an accumulating `addmv_` scaled by the route's weight).
     More tokens: tokens grouped by expert, one `mm` pair per expert hit, accumulated in the
     routes' order (as transformers does, up to summation order).
     """
