@@ -25,6 +25,7 @@ class Step:
     sin: torch.Tensor  # [T, 1, D_rope]
     mask: torch.Tensor | None  # additive [T, past+T], None when T == 1
     cache: StaticKVCache
+    window: int | None = None  # sliding attention window (PhiMoE), None = full
 
 
 class GQAAttention:
@@ -61,8 +62,9 @@ class GQAAttention:
         keys, values = cache.keys[self.layer], cache.values[self.layer]  # [1, Hkv, S_max, D]
         seq(keys, pos, 1).copy_(qk[h:].view(1, hkv, 1, d))
         seq(values, pos, 1).copy_(qkv[h + hkv:].view(1, hkv, 1, d))
-        k = seq(keys, 0, pos + 1)[0]  # [Hkv, pos+1, D]
-        v = seq(values, 0, pos + 1)[0]
+        lo = 0 if s.window is None else max(0, pos + 1 - s.window)  # first position inside the window
+        k = seq(keys, lo, pos + 1 - lo)[0]  # [Hkv, pos+1-lo, D]
+        v = seq(values, lo, pos + 1 - lo)[0]
         o = attend(qk[:h].view(hkv, h // hkv, d), k, v, None, self.scale, 1)  # [Hkv, g, D]
         return self.o(o.view(1, h * d))  # [1, H]
 

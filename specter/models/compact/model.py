@@ -122,7 +122,8 @@ class CompactCausalLM:
                                                        self.dtype, complex_form=self.mla)
         cache.reserve(t)
         cos, sin = self.rope.tables(past, t)  # [T, 1, D] each
-        step = Step(b, t, past, cos, sin, causal_mask(past, t, input_ids.device, self.dtype, self.window), cache)
+        step = Step(b, t, past, cos, sin, causal_mask(past, t, input_ids.device, self.dtype, self.window), cache,
+                    self.window)
         x = self.embed[input_ids.reshape(-1)]  # [N, H]
         for layer in self.layers:
             x = x + layer.attn(layer.attn_norm(x), step)
