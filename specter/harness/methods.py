@@ -20,10 +20,11 @@ from specter.harness.config import ConfigError
 from specter.harness.runtime import build_runtime, final_runtime, gptq_draft_for, method_spec
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats
+from specter.models.compact.decode import generate_compact
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
-from specter.predict.oracle import oracle_bytes
 from specter.offload.runtime import Runtime
+from specter.predict.oracle import oracle_bytes
 from specter.predict.planner import PrefetchPlanner
 from specter.quant.draft import build_draft
 from specter.spec import MethodSpec
@@ -32,7 +33,6 @@ from specter.speculative.batched import BatchedAutoregressive, BatchedSpeculativ
 from specter.speculative.drafter import SharedDrafter
 from specter.speculative.engine import SpeculativeEngine
 from specter.speculative.sampling import next_token
-from specter.models.compact.decode import generate_compact
 
 
 @dataclass
