@@ -2,8 +2,9 @@
 
 A method owns its model instance. `generate` is timed by the caller's commit clock; `reset`
 runs between measured records, outside timing (restoring the expert cache and planner state).
-Which class runs a `method=` is named by its config file (`runner: module:Class`), so a new
-method is a config file plus a class: nothing here lists them.
+Which class runs a `method=` is named by its config file (`runner: module:Class`), resolved only
+from `RUNNERS`, the registry of known methods: a config never imports arbitrary code. A new
+method is a config file, a class and one registry line.
 """
 
 from __future__ import annotations
@@ -79,16 +80,33 @@ class Method:
         pass
 
 
+# The known methods' runners (`runner:` in conf/method/*.yaml), imported only when used.
+RUNNERS = frozenset({
+    "specter.harness.methods:TargetOnly", "specter.harness.methods:OffloadAR", "specter.harness.methods:Specter",
+    "baselines.mixtral_offloading:MixtralOffloading", "baselines.mixtral_offloading:MixtralOffloadingSM",
+    "baselines.specmoeoff:SpecMoEOff", "baselines.moe_spec:MoESpec", "baselines.transformers_engine:TransformersEngine",
+    "baselines.llamacpp_engine:LlamaCpp", "baselines.vllm_engine:Vllm",
+})
+
+
+def register_runner(runner: str) -> None:
+    """Add a runner ("package.module:Class") to the known methods."""
+    global RUNNERS
+    RUNNERS = RUNNERS | {runner}
+
+
 def build_method(cfg: DictConfig, checkpoint: Path) -> Method:
-    """Instantiate the class named by `method.runner` ("package.module:Class")."""
+    """Instantiate the known method class named by `method.runner` ("package.module:Class")."""
     runner = cfg.method.get("runner")
-    if not runner or ":" not in str(runner):
-        raise ConfigError(f"method {cfg.method.name!r} names no runner (expected `runner: package.module:Class`)")
+    if str(runner) not in RUNNERS:
+        raise ConfigError(f"method {cfg.method.name!r}: unknown runner {runner!r}; known runners: {sorted(RUNNERS)}")
     module, _, cls = str(runner).partition(":")
     try:
         factory = getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"method {cfg.method.name!r}: cannot load runner {runner} ({err})") from None
+    if not (isinstance(factory, type) and issubclass(factory, Method)):
+        raise ConfigError(f"method {cfg.method.name!r}: runner {runner} is not a Method class")
     return factory(cfg, checkpoint)
 
 
