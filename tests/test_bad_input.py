@@ -306,9 +306,9 @@ def test_multirun_refuses_an_unknown_experiment(tmp_path):
 def test_optional_group_sweeps_are_checked_per_option():
     from specter.harness.config import ConfigError
 
-    cli_mod.check_optional_groups(["experiment=run,batch"])
+    cli_mod.check_optional_groups(["experiment=main,batch"])
     with pytest.raises(ConfigError, match="unknown experiment='bogus'"):
-        cli_mod.check_optional_groups(["experiment=run,bogus"])
+        cli_mod.check_optional_groups(["experiment=main,bogus"])
 
 
 def _enospc(*args, **kwargs):

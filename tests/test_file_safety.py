@@ -290,16 +290,14 @@ def test_k_sweep_and_profile_are_written_atomically(tmp_path, monkeypatch, capsy
     cfg = OmegaConf.create({"method": {"name": "specter"}, "model": {"name": "tiny_qwen"}, "memory": {"name": "low"},
                             "hardware": {"name": "cpu"}, "k_sweep": {"values": [2]}, "output_dir": str(tmp_path),
                             "K": None, "experiment": "k_sweep"})
-    (tmp_path / "k_sweep.csv").write_text("old\n")
-    (tmp_path / "k_profile.json").write_text("{}")
-    _fail_rename(monkeypatch)
-    with pytest.raises(ValueError, match="k_sweep.csv"):
-        profile_k(cfg)
-    assert (tmp_path / "k_sweep.csv").read_text() == "old\n"
-    monkeypatch.setattr(paths.os, "replace", os.rename)
     profile_k(cfg)
     assert pd.read_csv(tmp_path / "k_sweep.csv").K.tolist() == [2]
     assert json.loads((tmp_path / "k_profile.json").read_text())["K"] == 2
+    (tmp_path / "k_sweep.csv").write_text("old\n")
+    _fail_rename(monkeypatch)  # the K=2 run folder is complete: only the root's tables are written
+    with pytest.raises(ValueError, match="k_sweep.csv"):
+        profile_k(cfg)
+    assert (tmp_path / "k_sweep.csv").read_text() == "old\n"
 
 
 def test_compare_table_is_written_atomically(tmp_path, monkeypatch):
@@ -310,6 +308,8 @@ def test_compare_table_is_written_atomically(tmp_path, monkeypatch):
         cfg, {"output_dir": str(tmp_path / m)}))
     cfg = OmegaConf.create({"compare": {"methods": ["specter"]}, "output_dir": str(tmp_path),
                             "model": {"name": "tiny_qwen"}, "memory": {"name": "low"}, "hardware": {"name": "cpu"}})
+    compare_mod.compare(cfg)
+    assert pd.read_csv(tmp_path / "compare.csv").records.tolist() == [2]
     (tmp_path / "compare.csv").write_text("old\n")
     _fail_rename(monkeypatch)
     with pytest.raises(ValueError, match="compare.csv"):

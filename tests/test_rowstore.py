@@ -165,7 +165,7 @@ def test_trace_rows_are_numbers_and_the_older_header_reads(tmp_path, capsys):
     old.write_text("dataset,prompt_index,repeat,window,event,start_ms,end_ms,layer,expert,bytes,phase\n"
                    "gsm8k,0,0,0,copy,0.0,0.5,1,3,4096,\n")
     assert len(read_frame(old, TRACE)) == 1  # the figures still read traces written before queued_ms
-    with pytest.raises(RowStoreError, match="not this version's trace schema"):
+    with pytest.raises(RowStoreError, match="not this version's schema of trace.csv"):
         RowStore(old, TRACE)  # but a run never appends rows of another layout to it
 
 

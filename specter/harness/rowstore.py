@@ -139,15 +139,17 @@ def parse(data: bytes, schema: Schema, exact: bool = True) -> Table:
     terminated = data.endswith(b"\n")
     if terminated:
         lines = lines[:-1]
-    if not lines or not lines[0].strip():
+    if not lines:
         return Table([])
+    if not lines[0].strip():
+        raise RowStoreError("has no header line")
     try:
         header = next(csv.reader([lines[0].decode("utf-8")]), [])
     except (UnicodeDecodeError, csv.Error):
         header = []
     if not schema.accepts_header(header, exact):
         raise RowStoreError(f"has columns {header[:12]}{' ...' if len(header) > 12 else ''}, not this version's "
-                            f"{schema.name} schema")
+                            f"schema of {schema.name}.csv")
     table = Table(header)
     seen: dict[tuple[str, ...], int] = {}
     for i, raw_bytes in enumerate(lines[1:], start=2):
@@ -254,7 +256,7 @@ class RowStore:
         self.rejected_path = rejected_path(self.path)
         self.rejected: list[Rejected] = []
         self.keys: set[tuple[str, ...]] = set()
-        self.rows: list[dict[str, str]] = []
+        self.rows: list[dict[str, str]] = []  # keyed tables: the valid rows found when opened
         warn = warn or _warn_default
         try:
             data = self.path.read_bytes() if self.path.exists() else b""
@@ -275,8 +277,9 @@ class RowStore:
                 warn(f"{self.path} line {r.line}: {r.reason}; moved to {self.rejected_path.name} "
                      "(measured again)")
         self.rejected = table.rejected
-        self.rows = table.values()
-        self.keys = {key_of(schema, v) for v in self.rows}
+        self.keys = {key_of(schema, v) for v in table.values()}
+        if not schema.blocks:  # the valid rows when opened (a block table's can be many; not kept)
+            self.rows = table.values()
 
     def _set_aside(self, rejected: list[Rejected]) -> None:
         try:
@@ -330,8 +333,6 @@ class RowStore:
             raise RowStoreError(f"cannot append {what} to {self.path} ({err.strerror or err}); finished rows "
                                 "are kept, free space and rerun the same command to resume") from None
         self.keys.update(keys)
-        self.rows.extend(dict(zip(self.schema.columns, (cell(r.get(c)) for c in self.schema.columns)))
-                         for r in rows)
 
 
 def _append_bytes(path: Path, data: bytes) -> None:

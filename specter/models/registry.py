@@ -139,7 +139,7 @@ def checkpoint_problem(checkpoint: Path, model: str, real: str | None = None, of
                 names = list(st.keys())
             size, end = f.stat().st_size, _safetensors_end(f)
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-            return f"{f} cannot be read as safetensors ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+            return f"{f} is truncated or corrupt: it cannot be read as safetensors ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
         if not names or size != end:
             return f"{f} is truncated or corrupt (its header describes {end} bytes, the file has {size})"
     return None
