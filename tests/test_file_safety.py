@@ -134,7 +134,7 @@ def test_refused_resume_writes_no_provenance(tmp_path, capsys, tiny_checkpoint):
     assert not (out / "provenance.json").exists()  # ... before anything was written
     assert cli.main([*args, f"assets_dir={a}"]) == 0  # and the original command still resumes
     assert "nothing to run" in capsys.readouterr().out
-    assert json.loads((out / "provenance.json").read_text())["datasets"]["gsm8k"]["source"].startswith(str(a))
+    assert str(a) in json.loads((out / "provenance.json").read_text())["datasets"]["gsm8k"]["source"]
 
 
 # ------------------------------------------------------------------ item 8: content digests
