@@ -98,7 +98,10 @@ def test_safe_names_pass(name):
 
 
 def test_runner_only_from_the_registry(tmp_path):
-    from specter.harness.methods import RUNNERS, build_method
+    from specter.harness.methods import build_method
+    from specter.harness.runners import known_runners
+
+    RUNNERS = known_runners()
 
     cfg = OmegaConf.create({"method": {"name": "evil", "runner": "os:system"}})
     with pytest.raises(ConfigError, match="unknown runner 'os:system'"):

@@ -89,10 +89,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("verify_lossless compares against greedy target-only decoding: it needs temperature=0")
     _names(cfg)
     _method_values(cfg)
-    from specter.harness.methods import RUNNERS
+    from specter.harness.runners import runner_problem
 
-    _require(str(m.get("runner")) in RUNNERS,
-             f"method {m.name!r}: unknown runner {m.get('runner')!r}; known runners: {sorted(RUNNERS)}")
+    problem = runner_problem(m.name, m.get("runner"))
+    _require(problem is None, problem or "")
 
 
 def _names(cfg: DictConfig) -> None:

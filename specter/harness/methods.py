@@ -3,8 +3,8 @@
 A method owns its model instance. `generate` is timed by the caller's commit clock; `reset`
 runs between measured records, outside timing (restoring the expert cache and planner state).
 Which class runs a `method=` is named by its config file (`runner: module:Class`), resolved only
-from `RUNNERS`, the registry of known methods: a config never imports arbitrary code. A new
-method is a config file, a class and one registry line.
+from the registry of known methods (specter/harness/runners.py): a config never imports arbitrary
+code. A new method is a config file, a class and one registry line.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, effective_K
+from specter.harness.runners import runner_problem
 from specter.harness.runtime import build_runtime, device_and_dtype, gptq_draft_for, resize_cache
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats
@@ -80,26 +81,12 @@ class Method:
         pass
 
 
-# The known methods' runners (`runner:` in conf/method/*.yaml), imported only when used.
-RUNNERS = frozenset({
-    "specter.harness.methods:TargetOnly", "specter.harness.methods:OffloadAR", "specter.harness.methods:Specter",
-    "baselines.mixtral_offloading:MixtralOffloading", "baselines.mixtral_offloading:MixtralOffloadingSM",
-    "baselines.specmoeoff:SpecMoEOff", "baselines.moe_spec:MoESpec", "baselines.transformers_engine:TransformersEngine",
-    "baselines.llamacpp_engine:LlamaCpp", "baselines.vllm_engine:Vllm",
-})
-
-
-def register_runner(runner: str) -> None:
-    """Add a runner ("package.module:Class") to the known methods."""
-    global RUNNERS
-    RUNNERS = RUNNERS | {runner}
-
-
 def build_method(cfg: DictConfig, checkpoint: Path) -> Method:
     """Instantiate the known method class named by `method.runner` ("package.module:Class")."""
     runner = cfg.method.get("runner")
-    if str(runner) not in RUNNERS:
-        raise ConfigError(f"method {cfg.method.name!r}: unknown runner {runner!r}; known runners: {sorted(RUNNERS)}")
+    problem = runner_problem(cfg.method.name, runner)
+    if problem:
+        raise ConfigError(problem)
     module, _, cls = str(runner).partition(":")
     try:
         factory = getattr(importlib.import_module(module), cls)
