@@ -281,6 +281,8 @@ def finished_keys(records: Path, key: tuple[str, ...]) -> set[str] | None:
         table = read_table(records, RECORDS, warn=lambda msg: None, exact=False)
     except RowStoreError:
         return None
+    if not set(key) <= set(table.header):
+        return None
     return {"/".join(v.get(c, "") for c in key) for v in table.values()}
 
 

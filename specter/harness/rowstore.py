@@ -13,7 +13,10 @@ so they share one set of guarantees:
 * **Rejects are set aside, never dropped.** A writer opening a table appends its rejected lines
   to `<name>.rejected.csv` (line number, reason, the line as it was), rewrites the table
   atomically without them and warns; whatever the rejected rows stood for is measured again. A
-  reader (figures, summaries) skips them with a warning and never modifies the file.
+  reader (figures, summaries) skips them with a warning and never modifies the file. A writer
+  needs this version's header; a reader also takes another one (an older layout, a hand-made
+  table) and validates the columns it has: structure and numbers always, a table's further
+  rules (e.g. records' digests) only under this version's header.
 
 A *keyed* table (records, batch) allows one row per key; the first wins, later duplicates are
 rejected. A *block* table (routes, trace) holds many rows per record key, written as one block
@@ -69,8 +72,9 @@ class Schema:
     def numeric(self) -> tuple[str, ...]:
         return tuple(c for c in self.columns if c not in self.text)
 
-    def problem(self, values: dict[str, str]) -> str | None:
-        """Why `values` (column -> text as in the CSV) is not a valid row, or None."""
+    def problem(self, values: dict[str, str], rules: bool = True) -> str | None:
+        """Why `values` (column -> text as in the CSV) is not a valid row, or None. `rules=False`
+        checks the structure only (filled required columns, parseable numbers), not `check`."""
         empty = [c for c in self.required if c in values and not values[c].strip()]
         if empty:
             return f"required column(s) empty: {', '.join(empty)}"
@@ -86,16 +90,14 @@ class Schema:
                 float(v)
             except ValueError:
                 return f"{c}={v!r} is not a number"
-        return self.check(values) if self.check is not None else None
+        return self.check(values) if self.check is not None and rules else None
 
     def accepts_header(self, header: list[str], exact: bool) -> bool:
-        """The writer needs this version's header; a reader also takes an older one, or (not exact)
-        any header holding the key columns."""
+        """The writer needs this version's header; a reader (not exact) takes any header and
+        validates the columns it has."""
         if tuple(header) == self.columns:
             return True
-        if exact:
-            return False
-        return tuple(header) in self.older or set(self.key) <= set(header)
+        return not exact and bool(header)
 
 
 @dataclass
@@ -151,6 +153,7 @@ def parse(data: bytes, schema: Schema, exact: bool = True) -> Table:
         raise RowStoreError(f"has columns {header[:12]}{' ...' if len(header) > 12 else ''}, not this version's "
                             f"schema of {schema.name}.csv")
     table = Table(header)
+    keyed = set(schema.key) <= set(header)  # a reader's older layout without the key: no duplicates check
     seen: dict[tuple[str, ...], int] = {}
     for i, raw_bytes in enumerate(lines[1:], start=2):
         raw = raw_bytes.decode("utf-8", errors="replace")
@@ -175,11 +178,11 @@ def parse(data: bytes, schema: Schema, exact: bool = True) -> Table:
             table.rejected.append(Rejected(i, f"{len(fields)} columns instead of {len(header)}", raw))
             continue
         values = dict(zip(header, fields))
-        problem = schema.problem(values)
+        problem = schema.problem(values, rules=exact or tuple(header) == schema.columns)
         if problem:
             table.rejected.append(Rejected(i, problem, raw))
             continue
-        if not schema.blocks:
+        if not schema.blocks and keyed:
             key = key_of(schema, values)
             if key in seen:
                 table.rejected.append(Rejected(i, f"duplicate of the {schema.noun} on line {seen[key]}", raw))
