@@ -61,5 +61,16 @@ PY
 [[ "${INSTALL_ONLY:-0}" == 1 ]] && exit 0
 step "the CPU test suite under these versions"
 if [[ $# -eq 0 ]]; then set -- -q -m "not slow"; fi
+# Its own SPECTER_HOME: tiny models built under torch 2.11 must never land in the shared cache
+# (their bytes may differ from the pinned torch 2.13 builds; the check below says whether they do).
+export SPECTER_HOME="${SPECTER_HOME_DEVICE:-$PWD/.specter-home-device}"
+"$PY" - <<'PY'
+import json
+from specter.models.tiny import TINY_SPECS, TINY_WEIGHT_SHA256, ensure_tiny
+for name in sorted(TINY_SPECS):
+    digest = json.loads((ensure_tiny(name) / "specter_tiny.json").read_text())["weights_sha256"]
+    same = digest == TINY_WEIGHT_SHA256.get(name)
+    print(f"  {name}: {'the pinned bytes' if same else 'DIFFERENT bytes from the pinned torch 2.13 build'}")
+PY
 "$PY" -m pytest "$@"
 step "done"

@@ -40,21 +40,40 @@ def load_config(path: Path | str, **overrides: Any):
     return AutoConfig.for_model(model_type, **data)
 
 
-def kv_bytes_per_token_config(config, itemsize: int) -> int:
-    """KV-cache bytes one token adds across all layers, as transformers' DynamicCache holds them.
+SHRINK = {  # what the KV probe may shrink: none of it shapes the attention or its cache
+    "vocab_size": 64, "intermediate_size": 64, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None,
+}
 
-    DeepSeek-V2 (MLA) caches the decompressed keys [heads, qk_nope + qk_rope] and values
-    [heads, v_head_dim] per layer; the others cache keys and values of their KV heads. The engine
-    measures the same quantity by running one token (`specter.offload.budget.kv_bytes_per_token`);
-    tests check both agree on every architecture."""
-    layers = int(config.num_hidden_layers)
-    if config.model_type == "deepseek_v2":
-        heads = int(config.num_attention_heads)
-        per_layer = heads * (int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim) + int(config.v_head_dim))
-    else:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        per_layer = 2 * int(config.num_key_value_heads) * int(head_dim)
-    return layers * per_layer * itemsize
+
+def kv_bytes_per_token_config(config, itemsize: int) -> int:
+    """KV-cache bytes one token adds across all layers, as the installed transformers caches them.
+
+    Measured, like the engine's budget check (`specter.offload.budget.kv_bytes_per_token`: one token
+    through the model, then the cache's bytes), on a one-layer float32 copy of the model with its real
+    attention widths and everything else shrunk; scaled to the model's layers and `itemsize`. What a
+    layer caches depends on the transformers version (DeepSeek-V2's MLA: the compressed latent
+    [kv_lora + rope] in some releases, decompressed keys and values in others), so it is read off the
+    library, never assumed. About a second on a CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specter.models.compat import accept_cache_argument
+    from specter.offload.budget import kv_bytes_per_token
+
+    data = config.to_dict()
+    shrink = {k: v for k, v in SHRINK.items() if k in data}
+    model_type = data.pop("model_type")
+    for per_layer_key in ("layer_types", "mlp_layer_types", "mlp_only_layers"):  # derived from the layer count
+        data.pop(per_layer_key, None)
+    data.update(shrink, num_hidden_layers=1)
+    small = type(config).from_dict({**data, "model_type": model_type})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = accept_cache_argument(AutoModelForCausalLM.from_config(small, dtype=torch.float32).eval())
+    per_layer_fp32 = kv_bytes_per_token(model, torch.device("cpu"), torch.float32)
+    return int(config.num_hidden_layers) * per_layer_fp32 // 4 * itemsize
 
 
 @dataclass(frozen=True)

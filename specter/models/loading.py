@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from specter.models.arch import MoEArch, arch_for, moe_blocks
+from specter.models.compat import accept_cache_argument
 from specter.moe import SpecterExperts
 from specter.offload.store import ExpertLayout, ExpertUID, HostExpertStore, IncompleteStore
 
@@ -28,7 +29,7 @@ def load_full_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, experts_implementation="eager")
-    return model.to(device).eval()
+    return accept_cache_argument(model.to(device).eval())
 
 
 class WeightError(RuntimeError):
@@ -68,7 +69,8 @@ def offloaded_skeleton(config, dtype: torch.dtype) -> tuple[torch.nn.Module, Exp
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) real
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager")
+        model = accept_cache_argument(AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                                       experts_implementation="eager"))
     blocks = moe_blocks(model)
     first = next(iter(blocks.values())).experts
     E, two_i, H = first.gate_up_proj.shape  # [E, 2I, H]
