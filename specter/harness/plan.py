@@ -271,8 +271,10 @@ def format_plan(cfg: DictConfig, rows: list[PlanRow], facts: dict[str, Any]) -> 
               f"{'  (' + note + ')' if note else ''}", file=out)
     spec = next(r for r in rows if r.method == "specter" and r.batch == min(r.batch for r in rows))
     verdict = "fits" if spec.fits else "does NOT fit"
+    before = spec.budget - spec.total + spec.staging * f["expert_bytes"]
     print(f"  specter at B={spec.batch}: {_gb(spec.total)} GB {verdict} the tier's budget (margin "
-          f"{_gb(spec.budget - spec.total)} GB) and the GPU (margin {_gb(spec.gpu - spec.total)} GB); the tier's budget "
+          f"{_gb(spec.budget - spec.total)} GB; {_gb(before)} GB before its {spec.staging} staging buffers, which take "
+          f"what the budget still holds) and the GPU (margin {_gb(spec.gpu - spec.total)} GB); the tier's budget "
           f"{'fits' if f['budget_bytes'] <= f['gpu_bytes'] else 'EXCEEDS'} the GPU (margin "
           f"{_gb(f['gpu_bytes'] - f['budget_bytes'])} GB)", file=out)
     return out.getvalue()
