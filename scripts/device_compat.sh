@@ -7,7 +7,8 @@
 # virtualenv with those versions (PyPI's torch 2.11 for Linux is its CUDA build: ~4 GB installed;
 # it runs on the CPU), installs what the image lacks from the wheels scripts/gpu_prepare.sh
 # downloads (.whl/, offline, as the device does), adds the test-only packages the CPU suite uses
-# (gptqmodel, gguf, llama-cpp-python; not on the device), installs the project without its
+# (gptqmodel, gguf; llama-cpp-python with WITH_LLAMACPP=1, a 10-minute build; not on the device),
+# installs the project without its
 # dependencies, and runs the CPU test suite there.
 #
 # Usage: bash scripts/device_compat.sh [pytest args]     default: -q -m "not slow" (the CPU suite)
@@ -44,10 +45,12 @@ fi
 step "what the image lacks, offline from .whl/ (as on the device)"
 "$PY" -m pip install -q --no-index --no-deps .whl/*.whl
 step "test-only packages of the CPU suite (not on the device): gptqmodel, gguf, llama-cpp-python"
-"$PY" -m pip install -q gguf==0.19.0 "llama-cpp-python==0.3.36" \
-  || echo "device_compat: llama-cpp-python did not install (its tests skip)"
-"$PY" -m pip install -q --no-deps "gptqmodel==7.6.0" \
-  || echo "device_compat: gptqmodel did not install (GPTQ tests skip or fail)"
+printf '%s\n' "${IMAGE_PINS[@]}" >"$VENV/image-pins.txt"   # they must not move the image's versions
+"$PY" -m pip install -q -c "$VENV/image-pins.txt" "gptqmodel==7.6.0" gguf==0.19.0 \
+  || echo "device_compat: gptqmodel did not install (GPTQ tests fail)"
+if [[ "${WITH_LLAMACPP:-0}" == 1 ]]; then  # builds from source (~10 min): its tests skip without it
+  "$PY" -m pip install -q -c "$VENV/image-pins.txt" "llama-cpp-python==0.3.36" || echo "device_compat: llama-cpp-python did not install"
+fi
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || "$PY" -m pip install -q --no-deps -e .
 "$PY" - <<'PY'
 import importlib.metadata as md

@@ -156,7 +156,8 @@ step_rehearsal() {
   DEVICE=cuda QUANT=rtn OUT_CSV="$DEST/rehearsal.csv" bash scripts/rehearse_real.sh
 }
 
-export DEST WORK PY
+PYTHON="$PY"
+export DEST WORK PY PYTHON
 export -f step_plan step_cuda_tests step_draft_kernel e2e check_e2e step_e2e_tiny step_e2e_gptq step_rehearsal
 status=0
 i=0

@@ -50,7 +50,7 @@ FIELDS = ("model", "tier", "method", "dtype", "device", "layers", "resident", "r
           "footprint_engine", "footprint_plan", "footprint_equal", "budget", "tpot_ms", "seconds", "note")
 
 
-def build_checkpoint(name: str, layers: int, dtype: str, out: Path) -> Path:
+def build_checkpoint(name: str, layers: int, dtype: str, out: Path, device: str = "cpu") -> Path:
     """A random-weight checkpoint of `name`'s real config with `layers` decoder layers (+ the tiny tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -67,7 +67,7 @@ def build_checkpoint(name: str, layers: int, dtype: str, out: Path) -> Path:
     config = load_config(real_config_path(name), num_hidden_layers=layers, bos_token_id=0, eos_token_id=0,
                          pad_token_id=1)
     torch.manual_seed(0)
-    with torch.device("cpu"):
+    with torch.device(device):  # random init on the GPU where there is one: seconds instead of minutes
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(tmp, safe_serialization=True)
     del model
@@ -79,7 +79,10 @@ def build_checkpoint(name: str, layers: int, dtype: str, out: Path) -> Path:
 def overrides(name: str, checkpoint: Path, tier: str, budget_gb: float | None, device: str, dtype: str,
               quant: str, max_new_tokens: int) -> list[str]:
     hw = "cuda" if device == "cuda" else "cpu"
-    o = [f"model={name}", f"model.local_dir={checkpoint}", f"memory={tier}", f"hardware={hw}",
+    # its own model name: the artifact's MO-SM presets (slot counts of the full models) do not apply to a
+    # 2-layer copy, so MO-SM derives its slots from Specter's bytes in both the engine and the plan
+    o = [f"model={name}", f"model.name={name}_{checkpoint.name.split('-')[1]}", f"model.local_dir={checkpoint}",
+         f"memory={tier}", f"hardware={hw}",
          f"hardware.dtype={dtype}", "dataset=humaneval", "num_prompts=1", "repeats=1",
          f"max_new_tokens={max_new_tokens}", "warmup_tokens=0", "progress=false", "allow_hub=false",
          "method=specter", f"method.quant={quant}"]
@@ -106,7 +109,7 @@ def rehearse_model(name: str, layers: int, device: str, dtype: str, quant: str, 
     from specter.harness.methods import build_method
 
     t0 = time.perf_counter()
-    checkpoint = build_checkpoint(name, layers, dtype, workdir / "models" / f"{name}-{layers}l-{dtype}")
+    checkpoint = build_checkpoint(name, layers, dtype, workdir / "models" / f"{name}-{layers}l-{dtype}", device)
     print(f"rehearse {name}: checkpoint {checkpoint} ({sum(f.stat().st_size for f in checkpoint.glob('*.safetensors')) / 1e9:.2f} GB, "
           f"built in {time.perf_counter() - t0:.0f} s)", flush=True)
     rows: list[dict] = []
@@ -128,7 +131,6 @@ def rehearse_model(name: str, layers: int, device: str, dtype: str, quant: str, 
             cfg.compare.methods = methods
             cfg.compare.method_overrides = {
                 "specter": {"quant": quant}, "specmoeoff": {"quant": quant},
-                "mo_sm": {"presets": {}},  # slots derived from Specter's bytes (the presets are the full models')
             }
         plan, facts = plan_for(compose([*args[:-2], "experiment=plan", f"output_dir={workdir / 'plan'}"]))
         t = time.perf_counter()

@@ -127,6 +127,7 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
     from specter.quant.draft import draft_layer_nbytes
 
     validate(cfg)
+    gpu = gpu_bytes(cfg)
     M = resident_experts(cfg)
     hw = cfg.hardware
     if hw.dtype not in DTYPES:
@@ -142,7 +143,6 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
     if E != int(cfg.model.num_experts):
         raise ConfigError(f"{cfg.model.name}: the config has {E} routed experts, model.num_experts says {cfg.model.num_experts}")
     budget = budget_bytes(cfg, f.full_bytes)
-    gpu = gpu_bytes(cfg)
     P, N = int(cfg.prefix_tokens), int(cfg.max_new_tokens)
     kv_tok = f.kv_bytes_per_token
     kernel = hw.get("draft_kernel") or "auto"

@@ -56,6 +56,16 @@ def kv_bytes_per_token_config(config, itemsize: int) -> int:
     layer caches depends on the transformers version (DeepSeek-V2's MLA: the compressed latent
     [kv_lora + rope] in some releases, decompressed keys and values in others), so it is read off the
     library, never assumed. About a second on a CPU."""
+    key = (config.to_json_string(use_diff=False), itemsize)
+    if key not in _KV_PROBES:
+        _KV_PROBES[key] = _probe_kv_bytes_per_token(config, itemsize)
+    return _KV_PROBES[key]
+
+
+_KV_PROBES: dict[tuple[str, int], int] = {}
+
+
+def _probe_kv_bytes_per_token(config, itemsize: int) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
