@@ -78,8 +78,11 @@ def test_plan_matches_hand_computed_bytes(model, tier, M, budget_gb, K):
     kv_tok = facts["kv_bytes_per_token"]
     assert facts["moe_layers"] == L and facts["num_experts"] == E
     assert abs(params + L * E * eb // 2 - TOTAL_PARAMS[model]) < 0.05e9  # the hand count is the real model
-    # non-expert bytes: the fp16 parameters plus the rotary tables (fp32 buffers, a few hundred bytes)
-    assert 0 <= facts["non_expert_bytes"] - 2 * params < 4096
+    # non-expert bytes: the fp16 parameters plus the rotary tables (fp32 buffers, a few hundred bytes);
+    # transformers 5.24 keeps DeepSeek-V2's routers in fp32 (5.17: fp16), 2 more bytes per router weight
+    extra = facts["non_expert_bytes"] - 2 * params
+    router_fp32 = 2 * L * E * H if model == "dsv2" else 0
+    assert 0 <= extra < 4096 or 0 <= extra - router_fp32 < 4096, extra
     ne = facts["non_expert_bytes"]
     budget = budget_gb * 10**9
     draft = L * (packed_int4(E, 2 * I, H) + packed_int4(E, H, I))
@@ -180,17 +183,26 @@ def test_packed_layout_bytes_equal_quantized_experts():
     assert quantize_rtn(w, 128).nbytes == packed_nbytes(3, 64, 256, 128)
 
 
-def test_plan_command_runs_without_weights(tmp_path, capsys):
-    """The CLI: no weights anywhere, plan.csv written; a bad GPU size is one line, exit 2."""
+def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
+    """`run.py ... experiment=plan` in process: no weights anywhere, plan.csv written; a bad GPU size is
+    one line on stderr, exit 2."""
     from specter.harness.cli import main
 
-    out = subprocess.run([sys.executable, "run.py", "model=dsv2", "memory=low", "hardware=cuda", "experiment=plan",
-                          f"output_dir={tmp_path}", "model.local_dir=/nonexistent"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "memory plan: dsv2" in out.stdout and "specter at B=1" in out.stdout
+    assert main(["model=dsv2", "memory=low", "hardware=cuda", "experiment=plan", f"output_dir={tmp_path}",
+                 "model.local_dir=/nonexistent"]) == 0
+    assert "memory plan: dsv2" in capsys.readouterr().out
     assert (tmp_path / "plan.csv").read_text().count("\n") == 1 + 6 * 7 + 3
     assert main(["model=dsv2", "experiment=plan", "hardware=cuda", "hardware.gpu_memory_gb=-1",
                  f"output_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gpu_memory_gb" in err[0]
+
+
+@pytest.mark.slow
+def test_plan_command_runs_without_weights(tmp_path):
+    """The real command line in a fresh process (imports dominate: seconds idle, over a minute loaded)."""
+    out = subprocess.run([sys.executable, "run.py", "model=dsv2", "memory=low", "hardware=cuda", "experiment=plan",
+                          f"output_dir={tmp_path}", "model.local_dir=/nonexistent"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "memory plan: dsv2" in out.stdout and "specter at B=1" in out.stdout
