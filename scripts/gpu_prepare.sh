@@ -9,7 +9,8 @@
 #           without gptqmodel. The other tiny models are rebuilt there in seconds and use RTN drafts.
 # Both folders are ignored by git; the device call names them in `carry` (see README: GPU).
 # Prints their sizes, the total that would travel, and the device call to make.
-# Usage: bash scripts/gpu_prepare.sh        (about 2 CPU minutes; downloads < 1 MB)
+# Usage: bash scripts/gpu_prepare.sh   (downloads < 1 MB; 12 minutes on the shared 2-core machine at load ~20)
+# The prompts come from the bundled HumanEval (offline), as on the device, so the calibration matches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
@@ -36,7 +37,7 @@ ls -l "$WHL"
 step "2. the device's SPECTER_HOME -> $ASSETS/home (tiny_phi + its GPTQ draft)"
 rm -rf "$ASSETS"
 mkdir -p "$ASSETS/home"
-SPECTER_HOME="$PWD/$ASSETS/home" GPTQMODEL_CPU_WORKERS="${GPTQMODEL_CPU_WORKERS:-2}" "$PY" -m scripts.gpu_assets
+HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 SPECTER_HOME="$PWD/$ASSETS/home" GPTQMODEL_CPU_WORKERS="${GPTQMODEL_CPU_WORKERS:-2}" "$PY" -m scripts.gpu_assets
 
 step "3. sizes"
 tree_bytes=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
