@@ -127,14 +127,28 @@ def rehearse_model(name: str, layers: int, device: str, dtype: str, quant: str, 
                 f"output_dir={workdir / 'runs' / f'{name}-{tier}'}"]
         cfg = compose(args)
         methods = [m for m in ((ONCE if i == 0 else ()) + PER_TIER) if m != "llamacpp"]
+        plan, facts = plan_for(compose([*args[:-2], "experiment=plan", f"output_dir={workdir / 'plan'}"]))
+        # what the plan says does not fit this budget (e.g. SpecMoEOff's second copy of the non-expert
+        # tensors) must be refused by the engine, not run
+        refused = [m for m in methods if m in OFFLOADING and not plan[(m, 1)].fits_budget]
+        methods = [m for m in methods if m not in refused]
         with open_dict(cfg):
             cfg.compare.methods = methods
             cfg.compare.method_overrides = {
                 "specter": {"quant": quant}, "specmoeoff": {"quant": quant},
             }
-        plan, facts = plan_for(compose([*args[:-2], "experiment=plan", f"output_dir={workdir / 'plan'}"]))
         t = time.perf_counter()
         root = compare(cfg)
+        from specter.harness.compare import method_config
+
+        for m in refused:
+            try:
+                build_method(method_config(cfg, m), checkpoint).close()
+                failures.append(f"{name} {tier} {m}: the plan says it does not fit, yet the engine accepted it")
+            except BudgetError:
+                rows.append({"model": name, "tier": tier, "method": m, "dtype": dtype, "device": device,
+                             "layers": layers, "footprint_plan": plan[(m, 1)].total, "budget": budget,
+                             "note": "refused (BudgetError), as the plan predicted"})
         seconds = time.perf_counter() - t
         if i == 0 and device == "cpu":  # llama.cpp: its own GGUF export; a failure is reported, the rest still runs
             try:
