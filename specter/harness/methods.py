@@ -2,8 +2,9 @@
 
 A method owns its model instance. `generate` is timed by the caller's commit clock; `reset`
 runs between measured records, outside timing (restoring the expert cache and planner state).
-Which class runs a `method=` is named by its config file (`runner: module:Class`), so a new
-method is a config file plus a class: nothing here lists them.
+Which class runs a `method=` is named by its config file (`runner: module:Class`), resolved only
+from the registry of known methods (specter/harness/runners.py): a config never imports arbitrary
+code. A new method is a config file, a class and one registry line.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, effective_K
+from specter.harness.runners import runner_problem
 from specter.harness.runtime import build_runtime, device_and_dtype, gptq_draft_for, resize_cache
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats
@@ -28,7 +30,8 @@ from specter.quant.draft import build_draft, draft_forward
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.batched import BatchedAutoregressive, BatchedSpeculativeEngine, BatchRun
 from specter.speculative.engine import SpeculativeEngine
-from specter.speculative.sampling import SamplingParams
+from specter.speculative.sampling import SamplingParams, next_token
+from specter.models.compact.decode import generate_compact
 
 
 @dataclass
@@ -80,15 +83,18 @@ class Method:
 
 
 def build_method(cfg: DictConfig, checkpoint: Path) -> Method:
-    """Instantiate the class named by `method.runner` ("package.module:Class")."""
+    """Instantiate the known method class named by `method.runner` ("package.module:Class")."""
     runner = cfg.method.get("runner")
-    if not runner or ":" not in str(runner):
-        raise ConfigError(f"method {cfg.method.name!r} names no runner (expected `runner: package.module:Class`)")
+    problem = runner_problem(cfg.method.name, runner)
+    if problem:
+        raise ConfigError(problem)
     module, _, cls = str(runner).partition(":")
     try:
         factory = getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"method {cfg.method.name!r}: cannot load runner {runner} ({err})") from None
+    if not (isinstance(factory, type) and issubclass(factory, Method)):
+        raise ConfigError(f"method {cfg.method.name!r}: runner {runner} is not a Method class")
     return factory(cfg, checkpoint)
 
 
@@ -103,11 +109,19 @@ class TargetOnly(Method):
             raise ConfigError("target_only keeps every weight on the device and does not apply a memory budget; "
                               "drop memory.budget_mb, or use an offloading method (offload_ar, specter)")
         self.model = load_full_model(checkpoint, self.dtype, self.device)
+        self.compact = compact_decoder(cfg, self.model)  # None: transformers' modules decode
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         clock = CommitClock()
+        if self.compact is not None:
+            tokens = generate_compact(self.compact, prompt_ids, max_new_tokens,
+                                      lambda logits: next_token(logits, self.params, generator), clock)
+            return Generation(tokens, clock)
         tokens = generate_autoregressive(self.model, prompt_ids, max_new_tokens, self.params, generator, clock)
         return Generation(tokens, clock)
+
+    def environment(self) -> dict[str, Any]:
+        return {"decode_path": "compact" if self.compact is not None else "hf"}
 
     def generate_batch(self, prompts, max_new_tokens, generators):
         return BatchedAutoregressive(self.model, self.params).generate_batch(prompts, max_new_tokens, generators)
@@ -298,6 +312,20 @@ class Specter(Method):
 
     def close(self) -> None:
         self.rt.close()
+
+
+def compact_decoder(cfg: DictConfig, model: torch.nn.Module):
+    """The compact decoder over `model` when `method.decode_path=compact`, else None."""
+    path = cfg.method.get("decode_path") or "hf"
+    if path not in ("hf", "compact"):
+        raise ConfigError(f"method.decode_path={path!r}: choose hf or compact")
+    if path == "hf":
+        return None
+    from specter.models.compact import SUPPORTED, build_compact
+
+    if model.config.model_type not in SUPPORTED:
+        raise ConfigError(f"method.decode_path=compact supports {SUPPORTED}, not {model.config.model_type!r}")
+    return build_compact(model, max_length=cfg.prefix_tokens + cfg.max_new_tokens + 8)
 
 
 def auto_staging(headroom_bytes: int, expert_bytes: int, moe_layers: int, per_layer: float) -> int:
