@@ -33,8 +33,14 @@ def _batch(cfg: DictConfig):
     return run_batch(cfg)
 
 
+def _plan(cfg: DictConfig):
+    from specter.harness.plan import run_plan  # config arithmetic only: no weights, no device
+
+    return run_plan(cfg)
+
+
 EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep, "compare": _compare,
-                                                          "batch": _batch}
+                                                          "batch": _batch, "plan": _plan}
 
 
 def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:

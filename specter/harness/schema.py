@@ -62,6 +62,7 @@ class HardwareConfig:
     latency_us: Optional[float] = None  # emulated link: fixed latency (null = 5% of a load)
     recalibrate: bool = False  # emulated link: measure the layer step again
     draft_kernel: str = "auto"  # INT4 draft MoE kernel on CUDA: auto | triton | marlin | torch
+    gpu_memory_gb: Optional[float] = None  # experiment=plan: the GPU's memory in GB (null = an A100 40 GB)
 
 
 @dataclass
@@ -110,7 +111,7 @@ class RunConfig:
     dataset: DatasetConfig = MISSING
     method: Any = MISSING  # each method file extends a MethodConfig subclass
     hardware: HardwareConfig = MISSING
-    experiment: str = "run"  # run | k_sweep | batch | compare: what `python run.py` does
+    experiment: str = "run"  # run | k_sweep | batch | compare | plan: what `python run.py` does
     num_prompts: int = 5
     repeats: int = 1
     max_new_tokens: int = 128
