@@ -34,7 +34,7 @@ from specter.harness.records import parse_records
 from specter.paths import atomic_write_text
 
 # May differ between resumed runs: they change neither what is measured nor how.
-VOLATILE_KEYS = ("progress", "output_dir", "allow_hub", "assets_dir", "hardware.recalibrate")
+VOLATILE_KEYS = ("progress", "verbose", "output_dir", "allow_hub", "assets_dir", "hardware.recalibrate")
 PACKAGES = ("torch", "transformers", "gptqmodel", "hydra-core", "safetensors", "tokenizers", "datasets", "numpy")
 LOCK_NAME = ".specter.lock"
 PROVENANCE_NAME = "provenance.json"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError, resident_experts
+from specter.harness.config import ConfigError, bind_checkpoint, resident_experts
 from specter.models.loading import DTYPES, load_full_model, load_offloaded, non_expert_bytes
 from specter.models.registry import checkpoint_digest, resolve_checkpoint
 from specter.moe import MoERuntime
@@ -28,10 +28,13 @@ GB = 1e9
 
 
 def model_checkpoint(cfg: DictConfig) -> Path:
-    """The checkpoint folder of the configured model (built on first use for tiny models)."""
+    """The checkpoint folder of the configured model (built on first use for tiny models), with the
+    config's model facts checked against it and filled in from it (`bind_checkpoint`)."""
     m = cfg.model
-    return resolve_checkpoint(m.name, m.source, trained=bool(m.get("trained")), local_dir=m.get("local_dir"),
-                              hf_id=m.get("hf_id"), revision=m.get("revision"))
+    checkpoint = resolve_checkpoint(m.name, m.source, trained=bool(m.get("trained")), local_dir=m.get("local_dir"),
+                                    hf_id=m.get("hf_id"), revision=m.get("revision"))
+    bind_checkpoint(cfg, checkpoint)
+    return checkpoint
 
 
 def device_and_dtype(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
