@@ -22,7 +22,6 @@ env.json; compare speed. A GGUF llama.cpp refuses is one error line quoting llam
 from __future__ import annotations
 
 import ctypes
-import json
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from baselines.gguf_export import GGUF_TYPES, cached_gguf, iter_layers, not_comp
 from specter.harness.config import ConfigError
 from specter.harness.methods import Generation, Method
 from specter.harness.runtime import budget_bytes
+from specter.models.facts import read_config
 from specter.metrics import CommitClock
 
 INSTALL = 'pip install -c constraints.txt -e ".[llamacpp]"'
@@ -136,7 +136,7 @@ class LlamaCpp(Method):
         self.gguf_type = m.get("gguf_type") or ("f32" if self.dtype == torch.float32 else "f16")
         if self.gguf_type not in GGUF_TYPES:
             raise ConfigError(f"method.gguf_type must be one of {list(GGUF_TYPES)} (or null), got {self.gguf_type!r}")
-        self.config = json.loads((Path(checkpoint) / "config.json").read_text())
+        self.config = read_config(checkpoint).to_dict()  # with transformers' defaults, as the model is built
         self.not_comparable = not_comparable_reason(checkpoint)
         self.comparable = self.not_comparable is None
         self.gguf = cached_gguf(checkpoint, self.gguf_type, label=cfg.model.name)

@@ -78,18 +78,24 @@ def facts_from_config(config: Any) -> CheckpointFacts:
     if model_type not in _EXPERT_KEYS:
         raise CheckpointFactsError(f"model_type={model_type!r} is not a supported MoE architecture "
                                    f"(supported: {', '.join(sorted(_EXPERT_KEYS))})")
+    def need(key: str) -> int:
+        value = get(key)
+        if value is None:
+            raise CheckpointFactsError(f"the {model_type} config sets no {key} (nor does transformers default it)")
+        return int(value)
+
     rope = rope_settings(config)
     scaled = rope["rope_type"] not in ("default", None)
     norm = get("norm_topk_prob") if model_type != "phimoe" else None
     q_lora = get("q_lora_rank") if model_type == "deepseek_v2" else None
     return CheckpointFacts(
         model_type=model_type,
-        num_experts=int(get(_EXPERT_KEYS[model_type])),
-        top_k=int(get("num_experts_per_tok")),
-        num_layers=int(get("num_hidden_layers")),
-        hidden_size=int(get("hidden_size")),
-        vocab_size=int(get("vocab_size")),
-        max_position_embeddings=int(get("max_position_embeddings")),
+        num_experts=need(_EXPERT_KEYS[model_type]),
+        top_k=need("num_experts_per_tok"),
+        num_layers=need("num_hidden_layers"),
+        hidden_size=need("hidden_size"),
+        vocab_size=need("vocab_size"),
+        max_position_embeddings=need("max_position_embeddings"),
         norm_topk_prob=None if norm is None else bool(norm),
         q_lora_rank=int(q_lora) if q_lora else None,
         rope_type=str(rope["rope_type"]),

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from specter.models.arch import MoEArch, arch_for, moe_blocks
+from specter.models.facts import facts_from_config
 from specter.moe import SpecterExperts
 from specter.offload.store import ExpertLayout, ExpertUID, HostExpertStore, IncompleteStore
 
@@ -66,12 +67,15 @@ def load_offloaded(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(checkpoint)
+    facts = facts_from_config(config)  # expert count and top-k come from the checkpoint's own config
     arch = arch_for(config.model_type)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager")
     blocks = moe_blocks(model)
     first = next(iter(blocks.values())).experts
     E, two_i, H = first.gate_up_proj.shape
+    if E != facts.num_experts:
+        raise WeightError(f"{checkpoint}: the model has {E} experts per layer, its config says {facts.num_experts}")
     store = HostExpertStore(ExpertLayout(H, two_i // 2, dtype), sorted(blocks), E, pin_memory=pin_memory)
     experts = {}
     for layer, block in blocks.items():
@@ -111,7 +115,7 @@ def load_offloaded(
     leftover = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise WeightError(f"parameters never loaded: {leftover[:3]}")
-    return OffloadedModel(model.eval(), store, arch, experts, top_k=config.num_experts_per_tok)
+    return OffloadedModel(model.eval(), store, arch, experts, top_k=facts.top_k)
 
 
 def non_expert_bytes(model: torch.nn.Module) -> int:
