@@ -44,8 +44,9 @@ from specter.harness.runtime import budget_bytes
 from specter.models.facts import read_config
 from specter.metrics import CommitClock
 
-INSTALL = 'pip install -c constraints.txt -e ".[llamacpp]"'
-INSTALL_CUDA = 'CMAKE_ARGS="-DGGML_CUDA=on" pip install -c constraints.txt --no-binary llama-cpp-python -e ".[llamacpp]"'
+INSTALL = 'CMAKE_ARGS="-DLLAVA_BUILD=OFF" pip install -c constraints.txt -e ".[llamacpp]"'
+INSTALL_CUDA = ('CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF" pip install -c constraints.txt --no-binary '
+                'llama-cpp-python -e ".[llamacpp]"')
 
 
 class EngineLoadError(ConfigError):
@@ -119,7 +120,7 @@ def _import_llama_cpp():
     try:
         import llama_cpp
     except ImportError:
-        raise EngineUnavailable(f"method=llamacpp needs llama-cpp-python (builds from source, ~10 min): {INSTALL}") from None
+        raise EngineUnavailable(f"method=llamacpp needs llama-cpp-python (builds llama.cpp from source): {INSTALL}") from None
     return llama_cpp
 
 
