@@ -349,8 +349,22 @@ def _write_rope_scaling(writer, rope: dict[str, Any], model_type: str) -> None:
     if kind == "yarn":
         if rope.get("original_max_position_embeddings"):
             writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-        if rope.get("attention_factor") is not None:
-            writer.add_rope_scaling_attn_factors(float(rope["attention_factor"]))
+        # transformers scales attention by `attention_factor` (default: mscale(factor), or
+        # mscale(factor, mscale) / mscale(factor, mscale_all_dim)); llama.cpp applies mscale(factor)
+        # itself and multiplies by rope.scaling.attn_factor: write the ratio.
+        import math
+
+        factor = float(rope["factor"])
+
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        wanted = rope.get("attention_factor")
+        if wanted is None:
+            m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+            wanted = mscale(float(m)) / mscale(float(m_all)) if m and m_all else mscale()
+        if abs(float(wanted) / mscale() - 1.0) > 1e-7:
+            writer.add_rope_scaling_attn_factors(float(wanted) / mscale())
         if rope.get("beta_fast") is not None:
             writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
         if rope.get("beta_slow") is not None:
