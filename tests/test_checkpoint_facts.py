@@ -212,10 +212,10 @@ def test_an_empty_existing_folder_is_left_empty(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ quiet output
-def _python(code: str, **env) -> subprocess.CompletedProcess:
+def _python(code: str, timeout: int = 300, **env) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=timeout,
                           env={**os.environ, "SPECTER_VERBOSE": "0", **env})
 
 
@@ -239,12 +239,13 @@ def test_a_failing_import_shows_what_the_library_said():
     assert res.returncode != 0 and "missing libfoo.so" in res.stderr and "no foo" in res.stderr
 
 
+@pytest.mark.slow  # imports gptqmodel (and torchao) in a fresh process: ~20 s, minutes on a loaded machine
 def test_gptqmodel_prints_no_banner_in_our_output():
     pytest.importorskip("gptqmodel")
     res = _python("import torch\nfrom specter.quant.gptq import _gptqmodel_linear\n"
                   "w = torch.randn(16, 32); x = torch.randn(64, 32)\n"
                   "codes, scales = _gptqmodel_linear(w, x, 32, 0.01, False)\nprint('done', tuple(codes.shape))\n",
-                  GPTQMODEL_CPU_WORKERS="1")
+                  timeout=1200, GPTQMODEL_CPU_WORKERS="1")
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "done (16, 32)", res.stdout[-2000:]
     assert "GPT-QModel" not in res.stderr and "WARN" not in res.stderr and "INFO" not in res.stderr, res.stderr[-2000:]
