@@ -299,8 +299,8 @@ def _write_metadata(writer, h: dict[str, Any], file_type: str, name: str) -> Non
         writer.add_expert_feed_forward_length(int(h["moe_intermediate_size"]))
         writer.add_expert_shared_count(int(h.get("n_shared_experts") or 0))
         writer.add_expert_weights_scale(float(h.get("routed_scaling_factor", 1.0)))
-        if h.get("norm_topk_prob"):
-            writer.add_expert_weights_norm(True)
+        # expert_weights_norm is never written: transformers' DeepseekV2 gate ignores norm_topk_prob (top-k
+        # softmax weights times routed_scaling_factor, never renormalised), and llama.cpp would renormalise.
         scoring = h.get("scoring_func", "softmax")
         writer.add_expert_gating_func({"softmax": gguf.ExpertGatingFuncType.SOFTMAX,
                                        "sigmoid": gguf.ExpertGatingFuncType.SIGMOID}[scoring])

@@ -5,8 +5,9 @@ user's checkpoint would be. transformers' `generate` and llama.cpp over the GGUF
 target-only's greedy tokens, or record why they cannot ("not comparable", with the reason):
 
     DeepSeek-V2, q_lora_rank null at 3 layers (DeepSeek-V2-Lite's attention; llama.cpp guesses "lite"
-                 only at 26/27 layers), top-k renormalised (YaRN with mscale: test_engine_baselines'
-                 27-layer DeepSeek-V2-Lite layout)
+                 only at 26/27 layers), norm_topk_prob true (which transformers' DeepSeek-V2 ignores, so
+                 the export must not ask llama.cpp to renormalise); YaRN with mscale is
+                 test_engine_baselines' 27-layer DeepSeek-V2-Lite layout
     DeepSeek-V2, q_lora_rank set, 5 layers, no rope scaling, routed_scaling_factor 2
     Qwen2-MoE,   norm_topk_prob false, other widths, YaRN rope
     Qwen2-MoE,   norm_topk_prob true: llama.cpp's qwen2moe never renormalises, so the run says
