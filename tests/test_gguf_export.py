@@ -6,8 +6,8 @@ target-only's greedy tokens, or record why they cannot ("not comparable", with t
 
     DeepSeek-V2, q_lora_rank null at 3 layers (DeepSeek-V2-Lite's attention; llama.cpp guesses "lite"
                  only at 26/27 layers), norm_topk_prob true (which transformers' DeepSeek-V2 ignores, so
-                 the export must not ask llama.cpp to renormalise); YaRN with mscale is
-                 test_engine_baselines' 27-layer DeepSeek-V2-Lite layout
+                 the export must not ask llama.cpp to renormalise)
+    DeepSeek-V2, q_lora_rank null at 4 layers, YaRN rope with mscale (DeepSeek-V2-Lite's rope, other depth)
     DeepSeek-V2, q_lora_rank set, 5 layers, no rope scaling, routed_scaling_factor 2
     Qwen2-MoE,   norm_topk_prob false, other widths, YaRN rope
     Qwen2-MoE,   norm_topk_prob true: llama.cpp's qwen2moe never renormalises, so the run says
@@ -52,6 +52,11 @@ CHECKPOINTS = {  # name -> (model_type, config kwargs)
     "dsv2_q_lora": ("deepseek_v2", dict(_DSV2, num_hidden_layers=5, q_lora_rank=48, n_routed_experts=8,
                                         num_experts_per_tok=2, n_shared_experts=2, norm_topk_prob=False,
                                         routed_scaling_factor=2.0, max_position_embeddings=512)),
+    "dsv2_yarn": ("deepseek_v2", dict(_DSV2, num_hidden_layers=4, q_lora_rank=None, n_routed_experts=6,
+                                      num_experts_per_tok=2, n_shared_experts=1, norm_topk_prob=False,
+                                      routed_scaling_factor=1.0, max_position_embeddings=5120,
+                                      rope_parameters={**YARN, "factor": 40.0, "mscale": 0.707,
+                                                       "mscale_all_dim": 0.707})),
     "qwen_yarn": ("qwen2_moe", dict(_QWEN, num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
                                     norm_topk_prob=False, max_position_embeddings=512, rope_parameters=YARN)),
     "qwen_norm_topk": ("qwen2_moe", dict(_QWEN, num_hidden_layers=2, num_experts=10, num_experts_per_tok=2,
@@ -145,7 +150,7 @@ def test_export_name_comes_from_the_checkpoint_not_the_run_config(checkpoints, h
 
 @pytest.mark.llamacpp
 @needs_llamacpp
-@pytest.mark.parametrize("name", ["dsv2_no_q_lora", "dsv2_q_lora", "qwen_yarn"])
+@pytest.mark.parametrize("name", ["dsv2_no_q_lora", "dsv2_q_lora", "dsv2_yarn", "qwen_yarn"])
 def test_llamacpp_equals_target_only(name, checkpoints, home):
     tokens, stats, env = engine_tokens("llamacpp", "tiny_qwen", checkpoints[name])
     assert env["tokens_comparable"] and "lossless_check" not in stats
