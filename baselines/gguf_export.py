@@ -17,8 +17,10 @@ routers stay F32, as llama.cpp's own converter keeps them. A byte-level BPE toke
 llama.cpp's `gpt2` vocabulary (tokens, types, merges, special ids); any other tokenizer as `no_vocab`
 (the harness always hands llama.cpp token ids, never text).
 
-`cached_gguf` keeps one file per (weights digest, type) under $SPECTER_HOME/gguf, written
-atomically, so a retrained checkpoint never reuses a stale export.
+`cached_gguf` keeps one file per (weights, config, tokenizer, export version; type) under
+$SPECTER_HOME/gguf, written atomically, so a retrained or reconfigured checkpoint never reuses a
+stale export. `general.name` is built from the checkpoint's facts: llama.cpp's vocabulary loader
+special-cases some names (a "phi3" name makes it look up Phi-3's special tokens by text).
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from specter.harness.config import ConfigError
+
 GGUF_TYPES = ("f32", "f16")
 _MODEL_TYPES = {"qwen2_moe": "QWEN2MOE", "deepseek_v2": "DEEPSEEK2", "phimoe": "PHIMOE"}
 
 
-class ExportError(RuntimeError):
+class ExportError(ConfigError):
     """The checkpoint cannot be written as GGUF (unsupported architecture, unexpected tensors)."""
 
 
@@ -91,17 +95,52 @@ class _Weights:
 
 
 def _hparams(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((Path(checkpoint) / "config.json").read_text())
+    """The checkpoint's config as transformers builds the model from it (defaults filled in)."""
+    from specter.models.facts import CheckpointFactsError, read_config
+
+    try:
+        return read_config(checkpoint).to_dict()
+    except CheckpointFactsError as err:
+        raise ExportError(str(err)) from None
 
 
 def _rope(h: dict[str, Any]) -> dict[str, Any]:
-    """Rope settings in one dict (transformers 5 `rope_parameters`, or 4.x `rope_theta` + `rope_scaling`)."""
-    rope = dict(h.get("rope_parameters") or h.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", h.get("rope_theta", 10000.0))
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    if "original_max_position_embeddings" not in rope and h.get("original_max_position_embeddings"):
-        rope["original_max_position_embeddings"] = h["original_max_position_embeddings"]
-    return rope
+    from specter.models.facts import rope_settings
+
+    return rope_settings(h)
+
+
+# Substrings of `general.name` for which llama.cpp's vocabulary loader changes token attributes by
+# looking tokens up by text ("phi-3"/"phi3": `</s>`, `<unk>`, `<s>`, `<|endoftext|>` must exist, or
+# loading fails with "unordered_map::at"). The exported name never carries them: it is built from
+# the checkpoint's facts, not from the run config's model name.
+_NAME_TRIGGERS = ("phi-3", "phi3", "modern-bert")
+
+
+def gguf_name(h: dict[str, Any]) -> str:
+    """`general.name` of the export: the architecture and its sizes (e.g. "deepseek_v2-64x6-27l")."""
+    from specter.models.facts import facts_from_config
+
+    f = facts_from_config(h)
+    name = f"{f.model_type}-{f.num_experts}x{f.top_k}-{f.num_layers}l"
+    assert not any(t in name.lower() for t in _NAME_TRIGGERS), name
+    return name
+
+
+def not_comparable_reason(checkpoint: Path) -> str | None:
+    """Why llama.cpp computes another function than transformers on this checkpoint (None: the same).
+
+    PhiMoE: llama.cpp routes with softmax top-2, not sparsemixer. Qwen2-MoE with norm_topk_prob:
+    llama.cpp's qwen2moe graph never renormalises the top-k weights (it ignores expert_weights_norm)."""
+    from specter.models.facts import facts_from_config
+
+    f = facts_from_config(_hparams(checkpoint))
+    if f.model_type == "phimoe":
+        return "llama.cpp's PhiMoE routes with softmax top-2, not sparsemixer: tokens not comparable (speed only)"
+    if f.model_type == "qwen2_moe" and f.norm_topk_prob:
+        return ("the checkpoint renormalises its top-k routing weights (norm_topk_prob: true) and llama.cpp's "
+                "qwen2moe never does: tokens not comparable (speed only)")
+    return None
 
 
 def gguf_arch(checkpoint: Path) -> str:
@@ -242,14 +281,15 @@ def _write_metadata(writer, h: dict[str, Any], file_type: str, name: str) -> Non
         writer.add_expert_count(int(h["num_experts"]))
         writer.add_expert_feed_forward_length(int(h["moe_intermediate_size"]))
         writer.add_expert_shared_feed_forward_length(int(h["shared_expert_intermediate_size"]))
-        if h.get("norm_topk_prob"):
-            writer.add_expert_weights_norm(True)
+        # norm_topk_prob is not written: llama.cpp's qwen2moe ignores it (not_comparable_reason says so)
+        _write_rope_scaling(writer, rope, mt)
     elif mt == "deepseek_v2":
         kv_lora, rope_dim = int(h["kv_lora_rank"]), int(h["qk_rope_head_dim"])
         writer.add_head_count_kv(1)  # MLA runs as MQA over the compressed KV
         writer.add_leading_dense_block_count(int(h.get("first_k_dense_replace") or 0))
-        if h.get("q_lora_rank"):
-            writer.add_q_lora_rank(int(h["q_lora_rank"]))
+        # Always written: llama.cpp requires the key unless the model has 26/27 layers (its "lite" guess);
+        # 0 = no low-rank query (DeepSeek-V2-Lite's q_lora_rank: null), and llama.cpp then loads attn_q.
+        writer.add_q_lora_rank(int(h.get("q_lora_rank") or 0))
         writer.add_kv_lora_rank(kv_lora)
         writer.add_key_length(kv_lora + rope_dim)
         writer.add_value_length(kv_lora)
@@ -259,8 +299,8 @@ def _write_metadata(writer, h: dict[str, Any], file_type: str, name: str) -> Non
         writer.add_expert_feed_forward_length(int(h["moe_intermediate_size"]))
         writer.add_expert_shared_count(int(h.get("n_shared_experts") or 0))
         writer.add_expert_weights_scale(float(h.get("routed_scaling_factor", 1.0)))
-        if h.get("norm_topk_prob"):
-            writer.add_expert_weights_norm(True)
+        # expert_weights_norm is never written: transformers' DeepseekV2 gate ignores norm_topk_prob (top-k
+        # softmax weights times routed_scaling_factor, never renormalised), and llama.cpp would renormalise.
         scoring = h.get("scoring_func", "softmax")
         writer.add_expert_gating_func({"softmax": gguf.ExpertGatingFuncType.SOFTMAX,
                                        "sigmoid": gguf.ExpertGatingFuncType.SIGMOID}[scoring])
@@ -268,6 +308,8 @@ def _write_metadata(writer, h: dict[str, Any], file_type: str, name: str) -> Non
             writer.add_expert_group_count(int(h["n_group"]))
             writer.add_expert_group_used_count(int(h["topk_group"]))
         writer.add_rope_dimension_count(rope_dim)
+        if rope["rope_type"] not in ("default", "yarn"):
+            raise ExportError(f"DeepSeek-V2 rope_type={rope['rope_type']!r}: the export writes default or yarn rope")
         if rope["rope_type"] == "yarn":
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             writer.add_rope_scaling_factor(float(rope["factor"]))
@@ -291,6 +333,42 @@ def _write_metadata(writer, h: dict[str, Any], file_type: str, name: str) -> Non
 
             scale = int(h["max_position_embeddings"]) / orig
             writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+
+
+def _write_rope_scaling(writer, rope: dict[str, Any], model_type: str) -> None:
+    """Linear or YaRN rope scaling as llama.cpp's generic rope keys (Qwen2-MoE); "dynamic" NTK changes
+    nothing within the original context, which is where the harness runs."""
+    gguf = _gguf()
+    kind = rope["rope_type"]
+    if kind in ("default", "dynamic"):
+        return
+    if kind not in ("linear", "yarn"):
+        raise ExportError(f"{model_type} rope_type={kind!r}: the export writes default, dynamic, linear or yarn rope")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    if kind == "yarn":
+        if rope.get("original_max_position_embeddings"):
+            writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        # transformers scales attention by `attention_factor` (default: mscale(factor), or
+        # mscale(factor, mscale) / mscale(factor, mscale_all_dim)); llama.cpp applies mscale(factor)
+        # itself and multiplies by rope.scaling.attn_factor: write the ratio.
+        import math
+
+        factor = float(rope["factor"])
+
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        wanted = rope.get("attention_factor")
+        if wanted is None:
+            m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+            wanted = mscale(float(m)) / mscale(float(m_all)) if m and m_all else mscale()
+        if abs(float(wanted) / mscale() - 1.0) > 1e-7:
+            writer.add_rope_scaling_attn_factors(float(wanted) / mscale())
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
 
 
 def _write_vocab(writer, checkpoint: Path, h: dict[str, Any]) -> str:
@@ -343,8 +421,11 @@ def _pre_tokenizer(spec: dict[str, Any], model_type: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------- write
-def export_gguf(checkpoint: Path, out: Path, file_type: str = "f32", name: str | None = None) -> Path:
-    """Write `checkpoint` as a GGUF file at `out` (streamed: one tensor in memory at a time)."""
+def export_gguf(checkpoint: Path, out: Path, file_type: str = "f32") -> Path:
+    """Write `checkpoint` as a GGUF file at `out` (streamed: one tensor in memory at a time).
+
+    Everything written comes from the checkpoint (its config, tensors and tokenizer), never from the
+    run config's model name."""
     gguf = _gguf()
     if file_type not in GGUF_TYPES:
         raise ExportError(f"unknown GGUF type {file_type!r}; choose one of {list(GGUF_TYPES)}")
@@ -353,7 +434,7 @@ def export_gguf(checkpoint: Path, out: Path, file_type: str = "f32", name: str |
     arch = gguf_arch(checkpoint)
     plan = plan_tensors(checkpoint)
     writer = gguf.GGUFWriter(None, arch)
-    _write_metadata(writer, h, file_type, name or checkpoint.name)
+    _write_metadata(writer, h, file_type, gguf_name(h))
     _write_vocab(writer, checkpoint, h)
 
     def np_dtype(t: PlannedTensor):
@@ -374,6 +455,21 @@ def export_gguf(checkpoint: Path, out: Path, file_type: str = "f32", name: str |
     return out
 
 
+# Bumped whenever the export writes something else for the same checkpoint (a cached file is then redone).
+EXPORT_VERSION = 2
+
+
+def export_key(checkpoint: Path, weights_digest: str) -> str:
+    """What the export depends on: the weights, the config, the tokenizer files and EXPORT_VERSION."""
+    import hashlib
+
+    h = hashlib.sha256(f"v{EXPORT_VERSION}|{weights_digest}|".encode())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        f = Path(checkpoint) / name
+        h.update(f"{name}|".encode() + (f.read_bytes() if f.is_file() else b"-") + b"|")
+    return h.hexdigest()[:12]
+
+
 def cached_gguf(checkpoint: Path, file_type: str, label: str | None = None) -> Path:
     """The checkpoint's GGUF under $SPECTER_HOME/gguf, exported on first use (keyed by the weights' digest).
 
@@ -387,7 +483,7 @@ def cached_gguf(checkpoint: Path, file_type: str, label: str | None = None) -> P
 
     checkpoint = Path(checkpoint)
     label = safe_name(label or checkpoint.name, "model.name")
-    path = specter_home() / "gguf" / f"{label}-{checkpoint_digest(checkpoint)[:12]}-{file_type}.gguf"
+    path = specter_home() / "gguf" / f"{label}-{export_key(checkpoint, checkpoint_digest(checkpoint))}-{file_type}.gguf"
     sums = path.with_name(path.name + ".sha256")
     if path.exists():
         try:
@@ -402,7 +498,7 @@ def cached_gguf(checkpoint: Path, file_type: str, label: str | None = None) -> P
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        export_gguf(checkpoint, Path(tmp), file_type, name=label)
+        export_gguf(checkpoint, Path(tmp), file_type)
         atomic_write_text(sums, file_sha256(Path(tmp)) + "\n")
         os.replace(tmp, path)  # atomic: a half-written export is never picked up
     except BaseException:
@@ -433,7 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--type", choices=GGUF_TYPES, default="f32")
     ap.add_argument("--out", type=Path, default=None, help="default: the cache under $SPECTER_HOME/gguf")
     args = ap.parse_args(argv)
-    path = export_gguf(args.checkpoint, args.out, args.type) if args.out else cached_gguf(args.checkpoint, args.type)
+    try:
+        path = export_gguf(args.checkpoint, args.out, args.type) if args.out else cached_gguf(args.checkpoint, args.type)
+    except ConfigError as err:  # ExportError, a missing gguf package: one line, no traceback
+        import sys
+
+        print(f"gguf_export: error: {err}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 

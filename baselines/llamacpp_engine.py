@@ -13,13 +13,15 @@ clock as it is yielded. EOS never stops a record; greedy decoding is llama.cpp's
 The KV cache has the weights' type (F32 KV for an F32 export) and flash attention is off, so numerics
 follow the GGUF's type.
 
-llama.cpp's PhiMoE is not HF's PhiMoE (LayerNorm with bias handled differently, softmax top-2 routing
-instead of sparsemixer): for PhiMoE the tokens are not comparable and records say so; compare speed.
+Where llama.cpp computes another function than transformers (`gguf_export.not_comparable_reason`:
+PhiMoE's softmax top-2 routing instead of sparsemixer; Qwen2-MoE with norm_topk_prob, which llama.cpp's
+qwen2moe never renormalises) the tokens are not comparable and records say so, with the reason in
+env.json; compare speed. A GGUF llama.cpp refuses is one error line quoting llama.cpp's own message.
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +37,61 @@ from baselines.common import (
     require_real_hardware,
     seed_of,
 )
-from baselines.gguf_export import GGUF_TYPES, cached_gguf, iter_layers, tensor_bytes
+from baselines.gguf_export import GGUF_TYPES, cached_gguf, iter_layers, not_comparable_reason, tensor_bytes
 from specter.harness.config import ConfigError
 from specter.harness.methods import Generation, Method
 from specter.harness.runtime import budget_bytes
+from specter.models.facts import read_config
 from specter.metrics import CommitClock
 
-INSTALL = 'pip install -c constraints.txt -e ".[llamacpp]"'
-INSTALL_CUDA = 'CMAKE_ARGS="-DGGML_CUDA=on" pip install -c constraints.txt --no-binary llama-cpp-python -e ".[llamacpp]"'
-# Architectures whose llama.cpp implementation computes something else than transformers'.
-NOT_COMPARABLE = {"phimoe": "llama.cpp's PhiMoE routes with softmax top-2, not sparsemixer: tokens not comparable (speed only)"}
+INSTALL = 'CMAKE_ARGS="-DLLAVA_BUILD=OFF" pip install -c constraints.txt -e ".[llamacpp]"'
+INSTALL_CUDA = ('CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF" pip install -c constraints.txt --no-binary '
+                'llama-cpp-python -e ".[llamacpp]"')
+
+
+class EngineLoadError(ConfigError):
+    """llama.cpp refused the GGUF file; the message quotes what llama.cpp said."""
+
+
+def load_llama(llama_cpp, model_path: Path, verbose: bool = False, **kwargs: Any):
+    """`llama_cpp.Llama(model_path, ...)`, or an EngineLoadError quoting llama.cpp's own error line.
+
+    llama-cpp-python only raises "Failed to load model from file"; llama.cpp's reason goes to its log,
+    so the log is collected while the model loads (and shown as it comes when `verbose`)."""
+    said: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        line = text.decode("utf-8", errors="replace")
+        said.append(line)
+        if verbose:
+            import sys
+
+            print(line, end="", file=sys.stderr, flush=True)
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        return llama_cpp.Llama(model_path=str(model_path), verbose=verbose, **kwargs)
+    except ValueError as err:
+        raise EngineLoadError(f"llama.cpp cannot load {Path(model_path).resolve()}: {llama_error(''.join(said), err)}") \
+            from None
+    finally:
+        from llama_cpp import _logger  # llama-cpp-python's own log handler again
+
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+def llama_error(log: str, err: BaseException) -> str:
+    """The line of llama.cpp's log that says why loading failed, without its function-name prefix."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for marker in ("error loading model", "error", "failed"):
+        hits = [line for line in lines if marker in line.lower()]
+        if hits:
+            line = hits[0]
+            head, sep, rest = line.partition(": ")
+            return rest if sep and " " not in head else line
+    return str(err)
+
 
 
 def gpu_layers_for_budget(layer_bytes: list[int], output_bytes: int, kv_bytes_per_layer: int, budget: int) -> int:
@@ -73,7 +120,7 @@ def _import_llama_cpp():
     try:
         import llama_cpp
     except ImportError:
-        raise EngineUnavailable(f"method=llamacpp needs llama-cpp-python (builds from source, ~10 min): {INSTALL}") from None
+        raise EngineUnavailable(f"method=llamacpp needs llama-cpp-python (builds llama.cpp from source): {INSTALL}") from None
     return llama_cpp
 
 
@@ -90,8 +137,9 @@ class LlamaCpp(Method):
         self.gguf_type = m.get("gguf_type") or ("f32" if self.dtype == torch.float32 else "f16")
         if self.gguf_type not in GGUF_TYPES:
             raise ConfigError(f"method.gguf_type must be one of {list(GGUF_TYPES)} (or null), got {self.gguf_type!r}")
-        self.config = json.loads((Path(checkpoint) / "config.json").read_text())
-        self.comparable = self.config["model_type"] not in NOT_COMPARABLE
+        self.config = read_config(checkpoint).to_dict()  # with transformers' defaults, as the model is built
+        self.not_comparable = not_comparable_reason(checkpoint)
+        self.comparable = self.not_comparable is None
         self.gguf = cached_gguf(checkpoint, self.gguf_type, label=cfg.model.name)
         itemsize = 4 if self.gguf_type == "f32" else 2
         n_ctx = cfg.prefix_tokens + max(cfg.max_new_tokens, cfg.warmup_tokens) + 1
@@ -116,10 +164,10 @@ class LlamaCpp(Method):
             self.n_gpu_layers = 0
         threads = m.get("n_threads") or cfg.hardware.get("threads")
         kv_type = llama_cpp.GGML_TYPE_F32 if self.gguf_type == "f32" else llama_cpp.GGML_TYPE_F16
-        self.llm = llama_cpp.Llama(
-            model_path=str(self.gguf), n_gpu_layers=int(self.n_gpu_layers), n_ctx=n_ctx, n_batch=int(m.n_batch),
-            n_threads=threads, n_threads_batch=threads, type_k=kv_type, type_v=kv_type, flash_attn=False,
-            seed=int(cfg.seed), verbose=False,
+        self.llm = load_llama(
+            llama_cpp, self.gguf, verbose=bool(cfg.get("verbose", False)), n_gpu_layers=int(self.n_gpu_layers),
+            n_ctx=n_ctx, n_batch=int(m.n_batch), n_threads=threads, n_threads_batch=threads, type_k=kv_type,
+            type_v=kv_type, flash_attn=False, seed=int(cfg.seed),
         )
         self.version = llama_cpp.__version__
         self.peak = PeakMemory(self.device, device_used)
@@ -162,7 +210,7 @@ class LlamaCpp(Method):
                                "n_layers": int(self.config["num_hidden_layers"]), "budget_bytes": self.budget,
                                "tokens_comparable": self.comparable}
         if not self.comparable:
-            env["tokens_not_comparable_because"] = NOT_COMPARABLE[self.config["model_type"]]
+            env["tokens_not_comparable_because"] = self.not_comparable
         return env
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from specter.harness.config import ConfigError, effective_K
 from specter.harness.methods import Method, OffloadAR, auto_staging
 from specter.harness.runtime import build_runtime, final_runtime, scratch_bytes
 from specter.harness.schema import SpecterMethodConfig
+from specter.models.facts import matching_preset, read_facts
 from specter.offload.runtime import Runtime
 from specter.spec import MethodSpec
 from specter.quant.draft import build_draft
@@ -63,11 +64,12 @@ class MixtralOffloadingSM(MixtralOffloading):
             self.derivation = same_memory_residents(rt, K=effective_K(cfg), specter_resident=spec.resident,
                                                     prefix_tokens=cfg.prefix_tokens,
                                                     max_new_tokens=cfg.max_new_tokens)
-            preset = (cfg.method.get("presets") or {}).get(cfg.model.name, {}).get(cfg.memory.name)
+            found = matching_preset(cfg.method.get("presets"), read_facts(checkpoint))  # by the checkpoint's facts
+            preset = (found[1].get("slots") or {}).get(cfg.memory.name) if found else None
             explicit = cfg.method.get("residents")
             M = explicit if explicit is not None else preset if preset is not None else self.derivation["resident"]
             self.derivation["used"] = {"resident": M, "from": "method.residents" if explicit is not None else
-                                       f"method.presets.{cfg.model.name}" if preset is not None else "derived"}
+                                       f"method.presets[{found[0]}]" if preset is not None else "derived"}
             if not isinstance(M, int) or not 1 <= M <= rt.om.num_experts:
                 raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {cfg.model.name} has {rt.om.num_experts}")
             self.rt = final_runtime(rt, M, spec.staging, what=f"{cfg.model.name} mo_sm at memory={cfg.memory.name} (M={M})")

@@ -65,7 +65,7 @@ def real_expert_count(cfg: DictConfig) -> int:
     real = cfg.model.get("real")
     if cfg.model.source != "tiny" or not real:
         return int(cfg.model.num_experts)
-    return int(OmegaConf.load(CONF_DIR / "model" / f"{real}.yaml").num_experts)
+    return int(OmegaConf.load(CONF_DIR / "model" / f"{real}.yaml").published.num_experts)  # the published checkpoint's
 
 
 class SpecMoEOff(Specter):

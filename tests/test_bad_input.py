@@ -248,7 +248,7 @@ def test_malformed_dataset_is_an_error_for_gptq_calibration(tmp_path, capsys):
     rc, out, err = cli([*BASE, "method=specter", "method.quant=gptq", "model=tiny_qwen", "dataset=gsm8k",
                         f"assets_dir={assets}", f"output_dir={tmp_path / 'o'}"], capsys)
     assert_one_line_error(rc, out, err, "line 2 is not valid JSON")
-    assert (tmp_path / "o" / "records.csv").exists()  # raised while building the draft, not when reading prompts
+    assert not (tmp_path / "o").exists()  # raised while building the draft; a refused start leaves no run behind
 
 
 def _ro_mount(path: Path) -> bool:

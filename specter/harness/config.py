@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -14,6 +14,9 @@ from specter.offload.link import LINK_KINDS
 from specter.predict.planner import POLICIES
 from specter.quant.draft import QUANT_METHODS
 from specter.speculative.engine import PLANNER_STATES
+
+if TYPE_CHECKING:
+    from specter.models.facts import CheckpointFacts
 
 
 
@@ -183,11 +186,49 @@ def resident_experts(cfg: DictConfig) -> int:
     _require(isinstance(M, int) and not isinstance(M, bool),
              f"memory.resident_experts must be an integer, got {M!r}")
     _require(M >= 1, f"memory tier {cfg.memory.name!r} leaves no expert slot per layer for {cfg.model.name} (M={M})")
-    _require(
-        M <= cfg.model.num_experts,
-        f"resident_experts={M} exceeds {cfg.model.name}'s {cfg.model.num_experts} routed experts",
-    )
+    E = cfg.model.get("num_experts")  # null until the checkpoint is read (bind_checkpoint)
+    _require(E is None or M <= E, f"resident_experts={M} exceeds {cfg.model.name}'s {E} routed experts")
     return M
+
+
+# Run-config keys that state a checkpoint fact: (model.<key>, CheckpointFacts field).
+CHECKPOINT_FACT_KEYS = (("num_experts", "num_experts"), ("top_k", "top_k"))
+
+
+def bind_checkpoint(cfg: DictConfig, checkpoint: Any) -> CheckpointFacts:
+    """Check the run config against the checkpoint's own facts and fill in the ones it leaves null.
+
+    `model.num_experts` / `model.top_k` belong to the checkpoint: null takes its value, a stated value
+    that contradicts it is refused in one message. The run's longest sequence must fit the
+    checkpoint's positions. Returns the checkpoint's `CheckpointFacts`."""
+    from pathlib import Path
+
+    from omegaconf import open_dict
+
+    from specter.models.facts import CheckpointFactsError, read_facts
+
+    where = Path(checkpoint).resolve() / "config.json"
+    try:
+        facts = read_facts(Path(checkpoint))
+    except CheckpointFactsError as err:
+        raise ConfigError(str(err)) from None
+    wrong = []
+    for key, field in CHECKPOINT_FACT_KEYS:
+        stated = cfg.model.get(key)
+        if stated is not None and stated != getattr(facts, field):
+            wrong.append(f"model.{key}={stated} (the checkpoint has {getattr(facts, field)})")
+    if wrong:
+        raise ConfigError(f"{' and '.join(wrong)} contradicts the checkpoint {where}. These facts come from the "
+                          f"checkpoint's config: drop the override, or set it to the checkpoint's value.")
+    longest = cfg.prefix_tokens + cfg.max_new_tokens + (effective_K(cfg) + 1 if cfg.method.get("speculative") else 0)
+    _require(longest <= facts.max_position_embeddings,
+             f"prefix_tokens + max_new_tokens (+ K+1 speculative positions) = {longest} exceeds the "
+             f"{facts.max_position_embeddings} positions of the checkpoint {where}")
+    with open_dict(cfg):
+        for key, field in CHECKPOINT_FACT_KEYS:
+            cfg.model[key] = getattr(facts, field)
+    resident_experts(cfg)  # the tier's M against the checkpoint's expert count
+    return facts
 
 
 def _profiled_K(cfg: DictConfig) -> int:

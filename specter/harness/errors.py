@@ -40,8 +40,10 @@ __all__ = ["USER_ERRORS", "BudgetError", "ConfigError", "composition_error", "re
 
 
 def one_line(text: str) -> str:
-    """The message's non-empty lines joined with "; " (a terminal line per error, greppable)."""
-    return "; ".join(line.strip() for line in str(text).splitlines() if line.strip())
+    """The message's non-empty lines joined with spaces (one terminal line per error, greppable).
+
+    Messages are prose: a line break inside one is a wrapped sentence, never a list separator."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
 _DETAIL = ("full_key:", "object_type=", "reference_type=")  # OmegaConf's location lines

@@ -51,7 +51,18 @@ def run_experiment(cfg: DictConfig):
     from specter.harness.compose import resolve_hardware
 
     cfg = resolve_hardware(cfg)
+    _quiet_third_parties(cfg)
     kind = cfg.experiment
     if kind not in EXPERIMENTS:
         raise ConfigError(f"unknown experiment={kind!r}; choose one of {sorted(EXPERIMENTS)}")
     return EXPERIMENTS[kind](cfg)
+
+
+def _quiet_third_parties(cfg: DictConfig) -> None:
+    """Third-party banners and log lines stay out of the output unless `verbose=true` (or SPECTER_VERBOSE=1)."""
+    from specter.quiet import quiet_loggers, set_verbose
+
+    if cfg.get("verbose"):
+        set_verbose(True)
+    else:
+        quiet_loggers()

@@ -36,7 +36,7 @@ from specter.harness.records import parse_records
 from specter.paths import atomic_write_text
 
 # May differ between resumed runs: they change neither what is measured nor how.
-VOLATILE_KEYS = ("progress", "output_dir", "allow_hub", "assets_dir", "hardware.recalibrate")
+VOLATILE_KEYS = ("progress", "verbose", "output_dir", "allow_hub", "assets_dir", "hardware.recalibrate")
 PACKAGES = ("torch", "transformers", "gptqmodel", "hydra-core", "safetensors", "tokenizers", "datasets", "numpy")
 LOCK_NAME = ".specter.lock"
 PROVENANCE_NAME = "provenance.json"
@@ -191,6 +191,8 @@ def run_folder(cfg: DictConfig, provenance: dict[str, Any] | None = None,
     """
     note = note or (lambda msg: print(f"specter: {msg}", file=sys.stderr, flush=True))
     out = Path(cfg.output_dir)
+    created = not out.exists()
+    before = set(p.name for p in out.iterdir()) if out.is_dir() else set()
     try:
         if out.exists() and not out.is_dir():
             raise OutputError(f"cannot use output_dir={out}: it is a file, not a folder")
@@ -224,8 +226,28 @@ def run_folder(cfg: DictConfig, provenance: dict[str, Any] | None = None,
         except OSError as err:
             raise _os_error(out, err) from None
         yield out
+    except BaseException:
+        if finished_records(out) == 0:  # a refused or aborted start: leave nothing that looks like a run
+            remove_refused_start(out, created, before)
+        raise
     finally:
         os.close(fd)  # releases the lock
+
+
+def remove_refused_start(out: Path, created: bool, before: set[str]) -> None:
+    """Undo what a start that finished no record wrote: the whole folder if this start created it,
+    else only the files it added (config.yaml, provenance.json, a header-only records.csv, env.json...)."""
+    import shutil
+
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for path in out.iterdir():
+        if path.name not in before:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def read_provenance(out: Path) -> dict[str, Any]:

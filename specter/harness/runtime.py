@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError, effective_K, resident_experts
+from specter.harness.config import ConfigError, bind_checkpoint, effective_K, resident_experts
 from specter.models.loading import DTYPES, load_full_model, load_offloaded, non_expert_bytes
 from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
 from specter.moe import MoERuntime
@@ -32,14 +32,16 @@ GB = 1e9
 
 
 def model_checkpoint(cfg: DictConfig) -> Path:
-    """The checkpoint folder of the configured model (built on first use for tiny models)."""
+    """The checkpoint folder of the configured model (built on first use for tiny models), with the
+    config's model facts checked against it and filled in from it (`bind_checkpoint`)."""
     m = cfg.model
-    path = resolve_checkpoint(m.name, m.source, trained=bool(m.get("trained")), local_dir=m.get("local_dir"),
-                              hf_id=m.get("hf_id"), revision=m.get("revision"))
-    problem = checkpoint_problem(path, m.name, m.get("real"), offloads="schedule" in cfg.method)
+    checkpoint = resolve_checkpoint(m.name, m.source, trained=bool(m.get("trained")), local_dir=m.get("local_dir"),
+                                    hf_id=m.get("hf_id"), revision=m.get("revision"))
+    problem = checkpoint_problem(checkpoint, m.name, m.get("real"), offloads="schedule" in cfg.method)
     if problem:
         raise ModelUnavailable(problem)
-    return path
+    bind_checkpoint(cfg, checkpoint)
+    return checkpoint
 
 
 def device_and_dtype(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:

@@ -26,8 +26,8 @@ class TierConfig:
 class ModelConfig:
     name: str = MISSING
     source: str = MISSING  # "tiny" (built locally) | "hub" (real weights)
-    num_experts: int = MISSING
-    top_k: int = MISSING
+    num_experts: Optional[int] = None  # routed experts per layer; null = the checkpoint's (a stated value must match it)
+    top_k: Optional[int] = None  # experts per token; null = the checkpoint's (a stated value must match it)
     K: int = MISSING  # the model's default speculation depth (the paper's profiled K)
     context_length: int = MISSING
     load_ratio: float = MISSING  # (one expert load over the real link) / (one layer's draft step)
@@ -37,6 +37,7 @@ class ModelConfig:
     hf_id: Optional[str] = None
     revision: Optional[str] = None
     local_dir: Optional[str] = None
+    published: dict[str, Any] = field(default_factory=dict)  # hub models: the published checkpoint's facts
 
 
 @dataclass
@@ -130,6 +131,7 @@ class RunConfig:
     allow_hub: bool = True
     output_dir: str = MISSING
     progress: bool = True
+    verbose: bool = False  # show third-party libraries' banners and log lines (quiet by default)
     batch: BatchConfig = field(default_factory=BatchConfig)  # experiment=batch settings
     compare: dict[str, Any] = field(default_factory=dict)  # experiment=compare settings
 
@@ -184,9 +186,17 @@ class MixtralOffloadingMethodConfig(OffloadMethodConfig):
 
 
 @dataclass
+class SlotPreset:
+    """MO-SM slots measured on one checkpoint: the facts that identify it, and the slots per memory tier."""
+
+    checkpoint: dict[str, Any] = field(default_factory=dict)  # CheckpointFacts fields, all of which must match
+    slots: dict[str, int] = field(default_factory=dict)  # tier -> slots per layer
+
+
+@dataclass
 class MixtralOffloadingSMMethodConfig(MixtralOffloadingMethodConfig):
-    residents: Optional[int] = None  # slots per layer; null = the model's preset, else derived from Specter's bytes
-    presets: dict[str, dict[str, int]] = field(default_factory=dict)  # model -> tier -> slots (the paper's artifact)
+    residents: Optional[int] = None  # slots per layer; null = a preset matching the checkpoint, else derived
+    presets: Optional[list[SlotPreset]] = field(default_factory=list)  # the paper artifact's; [] or null clears them
 
 
 @dataclass

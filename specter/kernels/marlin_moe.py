@@ -35,8 +35,11 @@ def marlin_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"Marlin needs a CUDA device, not {device.type}"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"Marlin runs fp16/bf16 activations, not {dtype}"
+    from specter.quiet import quiet_import
+
     try:
-        from gptqmodel.utils.marlin import marlin_runtime_available, marlin_runtime_error
+        with quiet_import():  # gptqmodel's banner stays out of the run's output
+            from gptqmodel.utils.marlin import marlin_runtime_available, marlin_runtime_error
     except Exception as exc:  # gptqmodel missing or broken
         return f"gptqmodel's Marlin is not importable: {exc}"
     try:

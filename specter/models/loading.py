@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from specter.models.arch import MoEArch, arch_for, moe_blocks
 from specter.models.compat import accept_cache_argument
+from specter.models.facts import facts_from_config
 from specter.moe import SpecterExperts
 from specter.offload.store import ExpertLayout, ExpertUID, HostExpertStore, IncompleteStore
 
@@ -88,7 +89,10 @@ def load_offloaded(
 
     config = AutoConfig.from_pretrained(checkpoint)
     arch = arch_for(config.model_type)
+    facts = facts_from_config(config)  # expert count and top-k come from the checkpoint's own config
     model, layout, E, experts = offloaded_skeleton(config, dtype)
+    if E != facts.num_experts:
+        raise WeightError(f"{checkpoint}: the model has {E} experts per layer, its config says {facts.num_experts}")
     blocks = moe_blocks(model)
     store = HostExpertStore(layout, sorted(blocks), E, pin_memory=pin_memory)
 
@@ -125,7 +129,7 @@ def load_offloaded(
     leftover = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise WeightError(f"parameters never loaded: {leftover[:3]}")
-    return OffloadedModel(model.eval(), store, arch, experts, top_k=config.num_experts_per_tok)
+    return OffloadedModel(model.eval(), store, arch, experts, top_k=facts.top_k)
 
 
 def non_expert_bytes(model: torch.nn.Module) -> int:

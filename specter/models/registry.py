@@ -42,13 +42,12 @@ def resolve_checkpoint(name: str, source: str, trained: bool = False, local_dir:
             return cached
     except Exception:  # noqa: BLE001 - any failure means "not cached"
         pass
+    where = f"{local.resolve()} and the Hugging Face cache" if local is not None else "the Hugging Face cache"
     raise ModelUnavailable(
-        f"weights for {name} ({hf_id}) are not on this machine "
-        f"(looked in {local} and the Hugging Face cache).\n"
-        f"  Download them on a machine with internet access and a GPU:\n"
-        f"    python -m initialization.download_models {name}\n"
-        f"  (set SPECTER_MODELS to choose the folder). On a CPU-only machine, use a tiny model of the\n"
-        f"  same architecture instead: model=tiny_dsv2, model=tiny_qwen or model=tiny_phi."
+        f"weights for {name} ({hf_id}) are not on this machine (looked in {where}). "
+        f"Download them on a machine with internet access and a GPU: python -m initialization.download_models "
+        f"{name} (set SPECTER_MODELS to choose the folder). On a CPU-only machine, use a tiny model of the same "
+        f"architecture instead: model=tiny_dsv2, model=tiny_qwen or model=tiny_phi."
     )
 
 

@@ -75,8 +75,11 @@ def _gptqmodel_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_pe
                       act_group_aware: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """gptqmodel's GPTQ on one linear; same return convention as `gptq_reference`."""
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
-    from gptqmodel.quantization.config import QuantizeConfig
-    from gptqmodel.quantization.gptq import GPTQ
+    from specter.quiet import quiet_import
+
+    with quiet_import():  # its banner and environment notices stay out of the run's output (verbose=true shows them)
+        from gptqmodel.quantization.config import QuantizeConfig
+        from gptqmodel.quantization.gptq import GPTQ
 
     n_out, k = w.shape
     linear = nn.Linear(k, n_out, bias=False, device=w.device)
