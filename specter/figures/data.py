@@ -5,8 +5,9 @@ A *result set* is a folder searched recursively. Inside it:
   records.csv          one row per generated sequence (specter/harness/records.py), beside the run's
                        config.yaml; records under a `K=<k>` folder are K-sweep points (read through
                        k_sweep.csv), under a `B=<b>` folder batched requests (read through batch.csv)
-                       and under a `bench` folder side benchmarks (prefetch ablations): all kept
-                       apart from the main grid
+                       and under a `bench` folder side benchmarks (prefetch ablations), under a
+                       `load_ratio` folder the load-ratio sweep (read through load_ratio.csv): all
+                       kept apart from the main grid
   k_sweep.csv          one row per K (+ k_profile.json: the chosen K)
   draft_kernel*.csv    draft-kernel benchmark (scripts/bench_draft_kernel.py)
   verify_schedule.csv  expert-wise vs token-wise verification (scripts/bench_verify.py)
@@ -14,6 +15,7 @@ A *result set* is a folder searched recursively. Inside it:
   batch.csv            method,model,memory,batch_size,dataset,tpot_median_ms,tpot_p90_ms,
                        throughput_tok_s,distinct_experts_per_layer,h2d_bytes_per_token,acceptance
   trace.csv            window,event,layer,expert,start_ms,end_ms,bytes,phase
+  load_ratio.csv       model,memory,method,load_ratio,tpot_ms,effective_load_ratio,... (experiment=load_ratio_sweep)
 
 Missing or extra columns are tolerated: a figure uses what it needs and skips with a note otherwise.
 """
@@ -29,7 +31,7 @@ import pandas as pd
 from specter.figures.common import REAL_OF_TINY
 
 INPUT_NAMES = ("records.csv", "k_sweep.csv", "draft_kernel*.csv", "verify_schedule.csv", "routes.csv",
-               "batch.csv", "trace.csv")
+               "batch.csv", "trace.csv", "load_ratio.csv")
 # Folders directly under results/ that hold other result sets (or no results at all).
 SET_ASIDE = ("reference", "paper", "logs", "multirun", "quick")
 
@@ -175,7 +177,7 @@ class ResultSet:
                 df["repeat"] = 0
             df["run"] = str(path.parent.relative_to(self.root)) or "."
             df["source"] = ("batch" if any(p.startswith("B=") for p in rel) else "bench" if "bench" in rel
-                            else "main")
+                            else "load_ratio" if "load_ratio" in rel else "main")
             df["family"] = [self.family(str(m), path.parent) for m in df["model"]]
             method_cfg = {k: v for k, v in flatten(cfg.get("method") or {}).items() if k != "name"}
             df["_method_cfg"] = json.dumps(method_cfg, sort_keys=True, default=str)

@@ -33,8 +33,14 @@ def _batch(cfg: DictConfig):
     return run_batch(cfg)
 
 
+def _load_ratio_sweep(cfg: DictConfig):
+    from specter.harness.load_ratio_sweep import load_ratio_sweep
+
+    return load_ratio_sweep(cfg)
+
+
 EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep, "compare": _compare,
-                                                          "batch": _batch}
+                                                          "batch": _batch, "load_ratio_sweep": _load_ratio_sweep}
 
 
 def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:

@@ -14,7 +14,8 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, resident_experts
-from specter.models.loading import DTYPES, load_full_model, load_offloaded, non_expert_bytes
+from specter.harness.load_ratio import probe_model
+from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
 from specter.models.registry import checkpoint_digest, resolve_checkpoint
 from specter.moe import MoERuntime
 from specter.offload.budget import Footprint, kv_bytes_per_token
@@ -55,11 +56,12 @@ def link_params(cfg: DictConfig, checkpoint: Path, expert_bytes: int, digest: st
     key = f"{cfg.model.name}-{digest[:12]}-{hw.dtype}-t{torch.get_num_threads()}"
     path = specter_home() / "calibration" / f"{key}.json"
     params = calibrated_link(expert_bytes, float(cfg.model.load_ratio), path,
-                             lambda: measure_layer_step(load_full_model(checkpoint, dtype, device)),
+                             lambda: measure_layer_step(probe_model(checkpoint, dtype, device)),
                              latency_us=hw.get("latency_us"), recalibrate=bool(hw.get("recalibrate")))
     print(f"emulated link for {cfg.model.name}: layer step {params.per_layer_step_s * 1e3:.3f} ms x load_ratio "
           f"{params.load_ratio} -> expert load {params.expert_load_s * 1e3:.3f} ms ({expert_bytes / 1e6:.2f} MB at "
-          f"{params.bandwidth_bytes_per_s / 1e9:.3f} GB/s + {params.latency_s * 1e6:.0f} us) [calibration: {path}]",
+          f"{params.bandwidth_bytes_per_s / 1e9:.3f} GB/s + {params.latency_s * 1e6:.0f} us) "
+          f"[layer step {params.calibration_source}; calibration: {path}]",
           flush=True)
     return params
 
