@@ -35,6 +35,7 @@ def test_bad_sweeps_are_refused(override, needle):
         sweep_settings(compose(["experiment=load_ratio_sweep", override]))
 
 
+@pytest.mark.slow  # three runs end to end (about 30 s on a quiet 2-core machine)
 def test_a_small_sweep_writes_one_row_per_cell(tmp_path, capsys, tiny_checkpoint):
     tiny_checkpoint("tiny_qwen")
     out = tmp_path / "sweep"

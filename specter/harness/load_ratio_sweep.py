@@ -12,7 +12,8 @@ For each model (`load_ratio_sweep.models`, null = the run's model), each tier
 `<output_dir>/<model>/<tier>/r=<r>/<method>/` with `model.load_ratio=r`, the methods of one r run
 back to back. `target_only` uses no link, so it runs once per model (`<output_dir>/<model>/target_only/`)
 and is the same reference at every r. One row per (model, tier, r, method) goes to
-`<output_dir>/load_ratio.csv`, with the effective ratio the records actually ran under.
+`<output_dir>/load_ratio.csv`, with the effective ratio the records actually ran under; sweeps of
+other models, tiers or methods into the same folder add their rows to it.
 """
 
 from __future__ import annotations
@@ -119,10 +120,22 @@ def load_ratio_sweep(cfg: DictConfig) -> Path:
     return root
 
 
+KEY = ["model", "memory", "hardware", "method", "load_ratio"]
+
+
 def _write(root: Path, rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """load_ratio.csv: this sweep's rows, plus the rows of other cells an earlier sweep into the same
+    folder wrote (other models, tiers or methods); a cell measured again replaces its old row."""
     from specter.paths import atomic_write_text
 
     table = pd.DataFrame(rows)
+    path = root / TABLE
+    if path.exists():
+        old = pd.read_csv(path)
+        if set(KEY) <= set(old.columns):
+            mine = set(map(tuple, table[KEY].astype(str).to_numpy()))
+            keep = [tuple(k) not in mine for k in old[KEY].astype(str).to_numpy()]
+            table = pd.concat([old[keep], table], ignore_index=True)
     root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(root / TABLE, table.to_csv(index=False))
+    atomic_write_text(path, table.to_csv(index=False))
     return table
