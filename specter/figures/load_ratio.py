@@ -1,9 +1,9 @@
 """TPOT against the emulated link's load ratio r, per model and memory tier; Specter's speedup below.
 
 Input: every `load_ratio.csv` (experiment=load_ratio_sweep: model, memory, method, load_ratio,
-tpot_ms, effective_load_ratio, ...). Each method's points sit at the *effective* ratio its records
-ran under (the configured r when a method has no link, or the ratio was not measured); the
-configured ratios are the x ticks. The paper's operating points are marked: r ≈ 0.7
+tpot_ms, effective_load_ratio, ...). Each point sits at its configured r; a thin whisker ending in
+a small cross runs from it to the *effective* ratio the cell's records ran under (their mean), so
+a cell whose machine drifted off its configured link shows it. The paper's operating points are marked: r ≈ 0.7
 (DeepSeek-V2-Lite, Qwen1.5-MoE) and r ≈ 6 (Phi-3.5-MoE), the model's own one solid.
 """
 
@@ -76,10 +76,14 @@ def _mark_operating_points(ax, model: str) -> None:
         ax.axvline(r, color="#555555", lw=1.1 if r == own else 0.7, ls="-" if r == own else ":", alpha=0.8, zorder=1)
 
 
-def _x(d: pd.DataFrame) -> np.ndarray:
-    """Where a method's points sit: the effective ratio measured, else the configured one."""
+def _plot(ax, d: pd.DataFrame, y: str, color: str, **kw) -> None:
+    """A method's curve at the configured ratios, with a whisker to each point's effective ratio."""
+    ax.plot(d["load_ratio"], d[y], color=color, ms=3.2, lw=1.3, zorder=3, **kw)
     eff = pd.to_numeric(d["effective_load_ratio"], errors="coerce")
-    return eff.where(eff.notna(), d["load_ratio"]).to_numpy(dtype=float)
+    for r, e, v in zip(d["load_ratio"], eff, d[y]):
+        if pd.notna(e) and pd.notna(v):
+            ax.plot([r, e], [v, v], color=color, lw=0.7, alpha=0.5, zorder=2)
+            ax.plot([e], [v], marker="x", ms=3, color=color, alpha=0.7, zorder=2, lw=0)
 
 
 def build(results: ResultSet, out: Output) -> None:
@@ -112,22 +116,22 @@ def build(results: ResultSet, out: Output) -> None:
                 if method == REFERENCE:
                     ax.axhline(m.tpot_ms.median(), color=colors[method], lw=1.2, ls="--", zorder=2)
                     continue
-                ax.plot(_x(m), m.tpot_ms, marker="o", ms=3.2, lw=1.3, color=colors[method], zorder=3)
+                _plot(ax, m, "tpot_ms", colors[method], marker="o")
             _mark_operating_points(ax, model)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            style_axes(ax, f"{model_label(model)}, {tier} memory" if r_ == 0 else f"{tier} memory",
-                       ylabel="TPOT (ms/token)" if c == 0 else None)
+            style_axes(ax, f"{model}, {tier} memory", ylabel="TPOT (ms/token)" if c == 0 else None)
+            if r_ == 0:
+                ax.text(0.0, 1.13, model_label(model), transform=ax.transAxes, fontsize=8, color="#444444")
         ax = axes[-1][c]
         for tier in tiers:
             s = table[(table.model == model) & (table.memory == tier) & (table.method == OURS)].sort_values("load_ratio")
             if not s.empty:
-                ax.plot(_x(s), s.speedup_vs_offload_ar, marker="s", ms=3.2, lw=1.3, color=colors.get(OURS, "#0072B2"),
-                        ls=tier_styles[tier])
+                _plot(ax, s, "speedup_vs_offload_ar", colors.get(OURS, "#0072B2"), marker="s", ls=tier_styles[tier])
         ax.axhline(1.0, color="black", lw=0.6)
         _mark_operating_points(ax, model)
         ax.set_xscale("log", base=2)
-        style_axes(ax, "Specter ÷ Offload-AR", xlabel="load ratio r (points: effective r of the run)",
+        style_axes(ax, "Specter's speedup over Offload-AR", xlabel="load ratio r (× = effective r measured)",
                    ylabel="speedup (×)" if c == 0 else None)
         ax.set_xticks(ratios, [f"{r:g}" for r in ratios], fontsize=7)
     handles = [Line2D([], [], color=colors[m], marker=None if m == REFERENCE else "o",
@@ -136,7 +140,9 @@ def build(results: ResultSet, out: Output) -> None:
     handles += [Line2D([], [], color=colors.get(OURS, "#0072B2"), ls=tier_styles[t], marker="s") for t in tiers]
     labels += [f"speedup, {t} memory" for t in tiers]
     handles += [Line2D([], [], color="#555555", lw=1.1), Line2D([], [], color="#555555", lw=0.7, ls=":")]
-    labels += ["paper's r for this model (A100, PCIe 4.0)", "the other paper r (0.7 DSV2/Qwen, 6 Phi)"]
+    handles.append(Line2D([], [], color="#555555", marker="x", lw=0.7, alpha=0.7))
+    labels += ["paper's r for this model (A100, PCIe 4.0)", "the other paper r (0.7 DSV2/Qwen, 6 Phi)",
+               "effective r of the cell (mean of its records)"]
     legend_above(fig, handles, labels, ncol=4)
     fig.tight_layout()
     out.figure(fig, NAME)
