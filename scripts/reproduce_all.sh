@@ -136,7 +136,8 @@ if [[ -z "$LAUNCHER" ]]; then
   for m in $MODELS; do
     for tier in $TIERS; do
       for method in $METHODS; do
-        extra=(); [[ "$method" == specter ]] && extra=(k_profile="$(k_profile "$m" "$tier")")
+        # Specter and MoE-Spec (verification-time budgeting on Specter) share the tier's profiled K
+        extra=(); [[ "$method" == specter || "$method" == moe_spec ]] && extra=(k_profile="$(k_profile "$m" "$tier")")
         add "main-$m-$tier-$method" "$PY" run.py experiment=main model="$m" memory="$tier" method="$method" \
           hardware="$(method_hw "$method")" dataset="$DATASET" $(trained_opt "$m") "${PROTOCOL[@]}" "${extra[@]}" \
           output_dir="$RESULTS/main/$m-$method-$tier"
@@ -148,7 +149,14 @@ else
   launcher="hydra/launcher=$LAUNCHER"
   tiny=""; real=""
   for m in $MODELS; do if is_tiny "$m"; then tiny+="${tiny:+,}$m"; else real+="${real:+,}$m"; fi; done
-  others=""; for method in $METHODS; do [[ "$method" != specter && "$method" != target_only ]] && others+="${others:+,}$method"; done
+  others=""; profiled=""  # profiled: the methods that take the tier's K profile (Specter and MoE-Spec)
+  for method in $METHODS; do
+    case "$method" in
+      specter|moe_spec) profiled+="${profiled:+,}$method" ;;
+      target_only) ;;
+      *) others+="${others:+,}$method" ;;
+    esac
+  done
   tiers_csv=$(echo $TIERS | tr ' ' ','); sweep_csv=$(echo $SWEEP_TIERS | tr ' ' ',')
   profile_tier='${memory.name}'; [[ "$QUICK" == 1 ]] && profile_tier=low
   for group in tiny real; do
@@ -157,8 +165,8 @@ else
     add "k_sweep-$group" "$PY" run.py -m "$launcher" experiment=k_sweep model="$models" memory="$sweep_csv" \
       hardware="$HARDWARE" dataset="$DATASET" "${topt[@]}" "${SWEEP[@]}" \
       'output_dir='"$RESULTS"'/k_sweep/${model.name}-${memory.name}-${hardware.name}'
-    [[ " $METHODS " == *" specter "* ]] && add "main-$group-specter" "$PY" run.py -m "$launcher" experiment=main \
-      model="$models" memory="$tiers_csv" method=specter hardware="$HARDWARE" dataset="$DATASET" "${topt[@]}" \
+    [[ -n "$profiled" ]] && add "main-$group-specter" "$PY" run.py -m "$launcher" experiment=main \
+      model="$models" memory="$tiers_csv" method="$profiled" hardware="$HARDWARE" dataset="$DATASET" "${topt[@]}" \
       "${PROTOCOL[@]}" \
       'k_profile='"$RESULTS"'/k_sweep/${model.name}-'"$profile_tier"'-${hardware.name}/k_profile.json' \
       'output_dir='"$RESULTS"'/main/${model.name}-${method.name}-${memory.name}'

@@ -31,6 +31,13 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "datasets"
 GPQA_ZIP = FIXTURES / "gpqa" / "gpqa_main.csv.zip"
 
+@pytest.fixture(autouse=True)
+def _no_offline_bundle(tmp_path_factory, monkeypatch):
+    """These tests cover the other sources; the repository's offline bundle has its own tests
+    (test_dataset_bundle.py), so here it is an empty folder."""
+    monkeypatch.setattr(ds, "BUNDLE_DIR", tmp_path_factory.mktemp("no-bundle"))
+
+
 # What each fixture must yield, written out by hand (see fixtures/datasets/make_fixtures.py).
 EXPECTED = {
     "gsm8k": [

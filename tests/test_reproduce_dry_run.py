@@ -102,6 +102,24 @@ def test_slurm_launcher_plan(tmp_path):
     assert any(a.startswith("output_dir=") and "${model.name}-${method.name}-${memory.name}" in a for a in main)
 
 
+@pytest.mark.parametrize("launcher", ["", "slurm"])
+def test_moe_spec_shares_specters_k_profile(tmp_path, launcher):
+    """MoE-Spec budgets Specter's verification: it runs with the same tier's profiled K."""
+    steps, _ = dry_run(tmp_path, LAUNCHER=launcher, METHODS="specter moe_spec offload_ar")
+    cmds = dict(steps)
+    out = tmp_path / "out" / "results"
+    if launcher:
+        spec = cmds["full.main-tiny-specter"]
+        assert "method=specter,moe_spec" in spec and "method=offload_ar" in cmds["full.main-tiny-others"]
+        assert any(a.startswith("k_profile=") and "${memory.name}" in a for a in spec)
+    else:
+        for tier in ("high", "low"):
+            profile = f"k_profile={out}/k_sweep/tiny_qwen-{tier}-emulated/k_profile.json"
+            assert profile in cmds[f"full.main-tiny_qwen-{tier}-specter"]
+            assert profile in cmds[f"full.main-tiny_qwen-{tier}-moe_spec"]
+            assert not any(a.startswith("k_profile=") for a in cmds[f"full.main-tiny_qwen-{tier}-offload_ar"])
+
+
 @pytest.mark.parametrize("var", ["QUICK", "DRY_RUN"])
 def test_script_documents_its_settings(var):
     assert var in SCRIPT.read_text().split("set -uo pipefail")[0]

@@ -169,11 +169,13 @@ class Output:
         plt.close(fig)
 
     def table(self, df: pd.DataFrame, name: str, title: str, notes: Sequence[str] = (),
-              floatfmt: str = ".4g") -> pd.DataFrame:
+              floatfmt: str = ".4g", display: pd.DataFrame | None = None) -> pd.DataFrame:
+        """df as CSV (numbers) and Markdown (`display` when given: the same rows with text in some cells)."""
         csv = self.folder / f"{name}.csv"
         df.to_csv(csv, index=False)
         md = self.folder / f"{name}.md"
-        body = [f"### {title}", "", *[f"{n}" for n in notes], *([""] if notes else []), markdown_table(df, floatfmt), ""]
+        shown = df if display is None else display
+        body = [f"### {title}", "", *[f"{n}" for n in notes], *([""] if notes else []), markdown_table(shown, floatfmt), ""]
         md.write_text("\n".join(body))
         self.written += [csv, md]
         return df

@@ -4,10 +4,11 @@ A *result set* is a folder searched recursively. Inside it:
 
   records.csv          one row per generated sequence (specter/harness/records.py), beside the run's
                        config.yaml; records under a `K=<k>` folder are K-sweep points (read through
-                       k_sweep.csv), under a `B=<b>` folder batched requests (read through batch.csv)
-                       and under a `bench` folder side benchmarks (prefetch ablations), under a
-                       `load_ratio` folder the load-ratio sweep (read through load_ratio.csv): all
-                       kept apart from the main grid
+                       k_sweep.csv), under a `B=<b>` folder batched requests (read through batch.csv),
+                       under a `bench` folder side benchmarks (prefetch ablations), under a
+                       `load_ratio` folder the load-ratio sweep (read through load_ratio.csv), and
+                       runs that traced their windows (method.trace_windows, or a `trace` folder)
+                       traced runs: all kept apart from the main grid (specter/figures/labels.py)
   k_sweep.csv          one row per K (+ k_profile.json: the chosen K)
   draft_kernel*.csv    draft-kernel benchmark (scripts/bench_draft_kernel.py)
   verify_schedule.csv  expert-wise vs token-wise verification (scripts/bench_verify.py)
@@ -29,6 +30,7 @@ from typing import Any
 import pandas as pd
 
 from specter.figures.common import REAL_OF_TINY
+from specter.figures.labels import method_settings, record_source, variant_labels  # noqa: F401 (re-exported)
 
 INPUT_NAMES = ("records.csv", "k_sweep.csv", "draft_kernel*.csv", "verify_schedule.csv", "routes.csv",
                "batch.csv", "trace.csv", "load_ratio.csv")
@@ -176,11 +178,14 @@ class ResultSet:
             if "repeat" not in df.columns:
                 df["repeat"] = 0
             df["run"] = str(path.parent.relative_to(self.root)) or "."
-            df["source"] = ("batch" if any(p.startswith("B=") for p in rel) else "bench" if "bench" in rel
-                            else "load_ratio" if "load_ratio" in rel else "main")
             df["family"] = [self.family(str(m), path.parent) for m in df["model"]]
-            method_cfg = {k: v for k, v in flatten(cfg.get("method") or {}).items() if k != "name"}
-            df["_method_cfg"] = json.dumps(method_cfg, sort_keys=True, default=str)
+            # method labelling and grouping (specter/figures/labels.py)
+            method_cfg = flatten(cfg.get("method") or {})
+            df["source"] = record_source(rel, method_cfg)
+            settings = method_settings(method_cfg)
+            if "K" in df.columns and df["K"].notna().any():  # the speculation depth the run used (top-level K)
+                settings["K"] = ",".join(str(int(k)) for k in sorted(pd.to_numeric(df["K"]).dropna().unique()))
+            df["_method_cfg"] = json.dumps(settings, sort_keys=True, default=str)
             frames.append(df)
         if not frames:
             return pd.DataFrame()
@@ -197,7 +202,8 @@ class ResultSet:
         return records.drop(columns="_method_cfg")
 
     def records(self, source: str = "main") -> pd.DataFrame:
-        """Records of the main grid ('main'), side benchmarks ('bench'), batches ('batch') or all ('all')."""
+        """Records of the main grid ('main'), traced runs ('trace'), side benchmarks ('bench'), batches
+        ('batch') or all ('all')."""
         df = self._all_records()
         if df.empty or source == "all":
             return df
@@ -227,22 +233,3 @@ class ResultSet:
         return {"model": model, "memory": name("memory"), "method": name("method"), "hardware": name("hardware"),
                 "family": self.family(str(model), folder) if model else None,
                 "run": str(Path(folder).relative_to(self.root)) if Path(folder).is_relative_to(self.root) else str(folder)}
-
-
-def variant_labels(records: pd.DataFrame) -> pd.Series:
-    """Method name, plus the method settings that differ between runs of that method.
-
-    specter runs that differ only in method.prefetch become 'specter[prefetch=none]' etc.; a method
-    with a single configuration keeps its bare name. Nothing is hard-coded per method.
-    """
-    labels = records["method"].astype(str).copy()
-    for method, group in records.groupby("method"):
-        cfgs = {c: json.loads(c) for c in group["_method_cfg"].unique()}
-        if len(cfgs) < 2:
-            continue
-        keys = sorted({k for c in cfgs.values() for k in c})
-        varying = [k for k in keys if len({json.dumps(c.get(k), default=str) for c in cfgs.values()}) > 1]
-        for raw, c in cfgs.items():
-            suffix = ",".join(f"{k}={c.get(k)}" for k in varying)
-            labels[group.index[group["_method_cfg"] == raw]] = f"{method}[{suffix}]"
-    return labels

@@ -4,6 +4,8 @@ speedup = TPOT(method) / TPOT(specter) on mean TPOT (> 1: Specter is faster).
   speedup_avg   on the AVG column of Fig. 14 (mean over datasets)
   mean_speedup  mean over datasets of the per-dataset speedups
   max_speedup   the largest per-dataset speedup
+Only methods measured on the same hardware as Specter are compared (an engine run on the bare
+CPU is not set against Specter on the emulated link; it has its own figure, fig14_tpot_cpu).
 Rows with model = ALL summarise each method over every (model, tier): the mean of speedup_avg and
 the max of max_speedup (the paper's "average 1.50×, up to 1.88×" over SpecMoEOff).
 """
@@ -23,7 +25,9 @@ REFERENCE = "specter"
 
 def speedup_table(tpot: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
     rows = []
-    for (model, memory), g in tpot.groupby(["model", "memory"], sort=False):
+    if "hardware" not in tpot.columns:
+        tpot = tpot.assign(hardware="unknown")
+    for (model, memory, hardware), g in tpot.groupby(["model", "memory", "hardware"], sort=False):
         ref = g[g["method"] == reference].set_index("dataset")["mean_ms"]
         if ref.empty:
             continue
@@ -34,7 +38,7 @@ def speedup_table(tpot: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFram
             per_ds = (other / ref).drop("AVG", errors="ignore").dropna()
             if "AVG" not in other.index or per_ds.empty:
                 continue
-            rows.append({"model": model, "memory": memory, "method": method,
+            rows.append({"model": model, "memory": memory, "hardware": hardware, "method": method,
                          "specter_ms": ref["AVG"], "method_ms": other["AVG"],
                          "speedup_avg": other["AVG"] / ref["AVG"],
                          "mean_speedup": per_ds.mean(), "max_speedup": per_ds.max(),
@@ -42,7 +46,7 @@ def speedup_table(tpot: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFram
     table = pd.DataFrame(rows)
     if table.empty:
         return table
-    summary = [{"model": "ALL", "memory": "ALL", "method": method,
+    summary = [{"model": "ALL", "memory": "ALL", "hardware": ",".join(sorted(set(g["hardware"]))), "method": method,
                 "speedup_avg": g["speedup_avg"].mean(), "mean_speedup": g["mean_speedup"].mean(),
                 "max_speedup": g["max_speedup"].max(),
                 "max_at": "{}/{}/{}".format(*g.loc[g["max_speedup"].idxmax(), ["model", "memory", "max_at"]]),
@@ -60,7 +64,8 @@ def build(results: ResultSet, out: Output) -> None:
         raise Skip(f"no '{REFERENCE}' records (method=specter with one configuration) to compare against")
     table = speedup_table(tpot)
     if table.empty:
-        raise Skip("no other method shares a model and memory tier with specter")
+        raise Skip("no other method shares a model, memory tier and hardware with specter")
     out.table(table, NAME, TITLE, notes=[
         "speedup_avg: on the AVG over datasets; mean/max_speedup: over per-dataset speedups. "
-        "ALL rows: mean of speedup_avg and max of max_speedup over every model and tier."])
+        "ALL rows: mean of speedup_avg and max of max_speedup over every model and tier. Only methods "
+        "measured on Specter's hardware are compared."])

@@ -4,6 +4,12 @@ Input: every `k_sweep.csv` (K, mean_tpot_ms, acceptance_rate, ...) with its `k_p
 (model, memory, hardware, chosen K) beside it. Without the profile the chosen K is the K of lowest
 mean TPOT (the paper's rule) and model/memory come from a K=<k>/config.yaml or the folder name
 `<model>-<memory>-<hardware>`.
+
+Each sweep says where its minimum lies (`minimum`): "interior" when a swept K on each side has a
+higher mean TPOT, else "edge: smallest/largest K swept" — then the chosen K may not be the
+tier's best and the range should be widened. table_k_used lists, per model, tier and
+speculative method, the K its records ran with beside the K the same tier's sweep chose, so a K
+taken from another tier's profile (or from a sweep whose minimum is at its edge) shows.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from specter.figures.common import (
 from specter.figures.data import ResultSet
 
 NAME = "fig07_k_sweep"
+NAME_USED = "table_k_used"
 TITLE = "Fig. 7: K profiling — mean TPOT and acceptance against K (chosen K = lowest mean TPOT)"
 TIER_COLORS = {"high": "#0072B2", "low": "#D55E00"}
 EXTRA_COLORS = ("#009E73", "#CC79A7", "#E69F00", "#56B4E9")
@@ -63,18 +70,63 @@ def sweep_table(results: ResultSet) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame()
     table = pd.concat(frames, ignore_index=True)
-    lead = ["model", "memory", "hardware", "K", "chosen", "mean_tpot_ms"]
+    table["minimum"] = ""
+    for _, g in table.groupby(["model", "memory", "hardware"], sort=False):
+        table.loc[g.index, "minimum"] = minimum_at(g)
+    lead = ["model", "memory", "hardware", "K", "chosen", "mean_tpot_ms", "minimum"]
     cols = lead + [c for c in ("median_tpot_ms", "mean_tpot_fair_ms", *ACCEPTANCE, "mean_accepted_len",
                                "h2d_mb_per_token", "records") if c in table.columns]
     table["_m"] = table["model"].map({m: i for i, m in enumerate(order_models(table["model"]))})
     return table.sort_values(["_m", "memory", "hardware", "K"])[cols].reset_index(drop=True)
 
 
+def minimum_at(sweep: pd.DataFrame) -> str:
+    """Where one sweep's lowest mean TPOT lies: "interior" or "edge: smallest/largest K swept (K=k)"."""
+    d = sweep.dropna(subset=["mean_tpot_ms"]).sort_values("K")
+    if len(d) < 3:
+        return f"edge: only {len(d)} K swept"
+    best = int(d.loc[d["mean_tpot_ms"].idxmin(), "K"])
+    if best == int(d["K"].iloc[0]):
+        return f"edge: smallest K swept (K={best})"
+    if best == int(d["K"].iloc[-1]):
+        return f"edge: largest K swept (K={best})"
+    return "interior"
+
+
+def k_used_table(results: ResultSet, sweeps: pd.DataFrame) -> pd.DataFrame:
+    """Per (model, tier, hardware, speculative method): the K in its records and the tier's chosen K."""
+    records = results.records("main")
+    if records.empty or "K" not in records.columns:
+        return pd.DataFrame()
+    spec = records[records["K"].notna()]
+    if spec.empty:
+        return pd.DataFrame()
+    chosen = sweeps[sweeps["chosen"]].set_index(["model", "memory"]) if not sweeps.empty else pd.DataFrame()
+    rows = []
+    for (model, memory, hardware, method), g in spec.groupby(["model", "memory", "hardware", "variant"], sort=False):
+        ks = sorted({int(k) for k in g["K"]})
+        tier_k = chosen["K"].get((model, memory)) if not chosen.empty else None
+        where = chosen["minimum"].get((model, memory)) if not chosen.empty else None
+        rows.append({"model": model, "memory": memory, "hardware": hardware, "method": method,
+                     "K_in_records": ",".join(map(str, ks)),
+                     "records_without_K": int(records[(records["model"] == model) & (records["memory"] == memory)
+                                                      & (records["variant"] == method)]["K"].isna().sum()),
+                     "tier_profile_K": None if tier_k is None or pd.isna(tier_k) else int(tier_k),
+                     "tier_profile_minimum": where or "no sweep for this tier"})
+    return pd.DataFrame(rows)
+
+
 def build(results: ResultSet, out: Output) -> None:
     table = sweep_table(results)
+    used = k_used_table(results, table)
+    if not used.empty:
+        out.table(used, NAME_USED, "K used by each speculative method, beside its own tier's profile", notes=[
+            "K_in_records: the K every record of that run carries; tier_profile_K: the K the sweep of the same "
+            "model and tier chose; tier_profile_minimum: whether that sweep's minimum is interior or at an edge."])
     if table.empty:
         raise Skip("no k_sweep.csv (python run.py experiment=k_sweep ...)")
-    out.table(table, NAME, TITLE, notes=["chosen: the K that k_profile.json recorded (lowest mean TPOT)."])
+    out.table(table, NAME, TITLE, notes=["chosen: the K that k_profile.json recorded (lowest mean TPOT). minimum: "
+                                         "interior, or at an edge of the swept range (then widen the range)."])
     models = order_models(table["model"])
     acc = next((c for c in ACCEPTANCE if c in table.columns and table[c].notna().any()), None)
     has_acc = acc is not None
@@ -93,14 +145,19 @@ def build(results: ResultSet, out: Output) -> None:
             best = d[d["chosen"]]
             ax.scatter(best["K"], best["mean_tpot_ms"], s=140, marker="*", color=color, edgecolors="black",
                        linewidths=0.6, zorder=5)
+            edge = str(d["minimum"].iloc[0]).startswith("edge")
             for k, y in zip(best["K"], best["mean_tpot_ms"]):
-                ax.annotate(f"K={int(k)}", (k, y), textcoords="offset points", xytext=(0, 8), ha="center",
-                            fontsize=7, color=color)
+                right = k == d["K"].max()  # at the right edge: label leftwards, inside the axes
+                ax.annotate(f"K={int(k)}" + (" (edge)" if edge else ""), (k, y), textcoords="offset points",
+                            xytext=(-6 if right else 0, 8), ha="right" if right else "center", fontsize=7,
+                            color=color)
             if has_acc:
                 axes[1][c].plot(d["K"], d[acc], marker="o", ms=3.5, color=color, lw=1.4)
                 axes[1][c].scatter(best["K"], best[acc], s=140, marker="*", color=color,
                                    edgecolors="black", linewidths=0.6, zorder=5)
-        style_axes(axes[0][c], model_label(model), ylabel="mean TPOT (ms/token)" if c == 0 else None)
+        style_axes(axes[0][c], model_label(model).replace(" (", "\n(", 1),
+                   ylabel="mean TPOT (ms/token)" if c == 0 else None)
+        axes[0][c].title.set_fontsize(9)
         if has_acc:
             style_axes(axes[1][c], None, xlabel="speculation depth K", ylabel=acc.replace("_", " ") if c == 0 else None)
         else:

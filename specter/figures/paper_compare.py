@@ -37,11 +37,12 @@ def compare(results: ResultSet) -> pd.DataFrame:
     records = results.records("main")
     rows: list[dict] = []
 
-    def add(quantity, model, paper_value, here_value, unit, here_model=""):
+    def add(quantity, model, paper_value, here_value, unit, here_model="", note=""):
         here = None if here_value is None or pd.isna(here_value) else float(here_value)
         rows.append({"quantity": quantity, "model": model, "here_model": here_model, "unit": unit,
                      "paper": float(paper_value), "here": here,
-                     "here_over_paper": here / float(paper_value) if here is not None and paper_value else None})
+                     "here_over_paper": here / float(paper_value) if here is not None and paper_value else None,
+                     "note": note})
 
     tpot = tpot_table(records.dropna(subset=["tpot_ms"])) if not records.empty else pd.DataFrame()
     fam = records.drop_duplicates("model").set_index("model")["family"].to_dict() if not records.empty else {}
@@ -49,18 +50,24 @@ def compare(results: ResultSet) -> pd.DataFrame:
         tpot = tpot.assign(family=tpot["model"].map(fam))
     # single-request TPOT: Specter's speedup over each method, high memory, AVG over datasets
     paper_tpot = _read(paper, "tpot_single_request.csv")
-    for model, g in paper_tpot.groupby("model", sort=False):
+    for model, g in (paper_tpot.groupby("model", sort=False) if not paper_tpot.empty else ()):
         p = g.set_index("method")["tpot_ms"]
         here = tpot[(tpot["family"] == model) & (tpot["memory"] == "high") & (tpot["dataset"] == "AVG")] \
             if not tpot.empty else pd.DataFrame(columns=["method", "mean_ms", "model"])
         h = here.set_index("method")["mean_ms"] if not here.empty else pd.Series(dtype=float)
+        hw = here.set_index("method")["hardware"] if not here.empty and "hardware" in here else pd.Series(dtype=str)
         here_model = ",".join(sorted(set(here["model"]))) if not here.empty else ""
         if "specter" in p:
             add("TPOT of Specter, high memory, AVG", model, p["specter"], h.get("specter"), "ms/token", here_model)
         for method in p.index.drop("specter", errors="ignore"):
-            here_ratio = h[method] / h["specter"] if method in h and "specter" in h else None
+            here_ratio, note = None, "" if method in h else f"no {method} records here"
+            if method in h and "specter" in h:
+                if hw.get(method) == hw.get("specter"):
+                    here_ratio = h[method] / h["specter"]
+                else:  # an engine on the bare CPU against Specter on the emulated link: no one hardware
+                    note = f"not compared: {method} ran on {hw.get(method)}, specter on {hw.get('specter')}"
             add(f"speedup of Specter over {method_label(method)}, high memory, AVG", model,
-                p[method] / p["specter"], here_ratio, "x", here_model)
+                p[method] / p["specter"], here_ratio, "x", here_model, note)
     # K chosen per model (high memory where swept, else any tier)
     sweeps = k_sweep.sweep_table(results)
     for r in _read(paper, "k_profile.csv").itertuples(index=False):
@@ -77,7 +84,8 @@ def compare(results: ResultSet) -> pd.DataFrame:
     speed = headline.speedup_table(tpot) if not tpot.empty and "specter" in set(tpot["method"]) else pd.DataFrame()
     spec = records[records["method"] == "specter"] if not records.empty else None
     batch = batching.load_batch(results)
-    scale = batching.scaling_table(batching.averaged(batch)) if not batch.empty else pd.DataFrame()
+    scale = batching.scaling_table(batching.averaged(batch), batching.refusals(results)) if not batch.empty \
+        else pd.DataFrame()
     for r in _read(paper, "claims.csv").itertuples(index=False):
         here, here_model = None, ""
         if r.claim in ("speedup_mean", "speedup_max") and not speed.empty:
@@ -128,8 +136,15 @@ def _batch_claim(r, batch: pd.DataFrame, scale: pd.DataFrame, results: ResultSet
     at = avg[avg["batch_size"] == r.batch_to]
     if at.empty and not avg.empty:
         at = avg[avg["batch_size"] == avg["batch_size"].max()]
-    a = at.set_index("method")
-    if r.method not in a.index or r.baseline not in a.index:
+    if r.method not in set(at["method"]):
+        return None, ""
+    # the baseline on the method's own hardware, one row per method
+    hardware = at.loc[at["method"] == r.method, "hardware"].iloc[0] if "hardware" in at else None
+    if hardware is not None:
+        at = at[at["hardware"] == hardware]
+    a = at.groupby("method").agg({**{c: "mean" for c in ("tpot_ms", "throughput_tok_s") if c in at},
+                                  "model": "first", "batch_size": "first"})
+    if r.baseline not in a.index:
         return None, ""
     label = f"{a['model'].iloc[0]} (B={int(a['batch_size'].iloc[0])})"
     if r.claim == "batch_tpot_speedup":

@@ -13,6 +13,8 @@ Right  pairwise routing distance between datasets: per layer the expert-frequenc
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
@@ -28,16 +30,28 @@ from specter.figures.common import (
     style_axes,
     subplots,
 )
-from specter.figures.data import ResultSet
+from specter.figures.data import ResultSet, flatten
+from specter.figures.labels import record_source
 
 NAME = "fig13_routing"
 COLUMNS = {"dataset", "window", "layer", "expert", "count"}
 RECORD = ["dataset", "prompt_index", "repeat"]
 
 
+def _main_grid(results: ResultSet, folder) -> bool:
+    """A run of the main grid: not a K-sweep point, batch size, side benchmark or traced run
+    (those repeat the main grid's prompts: their routes would count the same windows again)."""
+    rel = Path(folder).relative_to(results.root).parts if Path(folder).is_relative_to(results.root) else ()
+    if any(p.startswith("K=") for p in rel):
+        return False
+    return record_source(rel, flatten(results.config(folder).get("method") or {})) == "main"
+
+
 def load_routes(results: ResultSet) -> pd.DataFrame:
+    found = results.csvs("routes.csv")
+    main = [(path, df) for path, df in found if _main_grid(results, path.parent)]
     frames = []
-    for path, df in results.csvs("routes.csv"):
+    for path, df in main or found:  # a set with routes only outside the main grid still draws
         if not COLUMNS <= set(df.columns):
             print(f"note: {path} lacks {sorted(COLUMNS - set(df.columns))}; ignored")
             continue

