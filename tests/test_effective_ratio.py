@@ -149,3 +149,9 @@ def test_bad_ratio_settings_are_one_line(override, needle, capsys, tmp_path, mon
     assert rc == 2 and "Traceback" not in err
     lines = [ln for ln in err.splitlines() if ln.startswith("specter: error:")]
     assert len(lines) == 1 and needle in lines[0]
+
+
+def test_a_slow_link_on_a_busy_machine_is_not_refused(tmp_path):
+    """r = 8 over a 30 ms layer step: a 0.2 MB expert takes 0.24 s (0.8 MB/s), a legitimate link."""
+    p = calibrated_link(200_000, 8.0, tmp_path / "cal.json", lambda: 0.03, recalibrate=True)
+    assert p.expert_load_s == pytest.approx(0.24) and p.bandwidth_bytes_per_s < 1e6
