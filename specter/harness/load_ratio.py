@@ -76,10 +76,7 @@ def run_load_ratios(cfg: DictConfig, checkpoint: Path, method: Any) -> RecordRat
     probe = None
     if params.kind == "emulated":
         if steps > 0:
-            from specter.harness.runtime import device_and_dtype
-
-            device, dtype = device_and_dtype(cfg)
-            model = probe_model(checkpoint, dtype, device)
+            model = probe_model(checkpoint, method.dtype, method.device)
             probe = lambda: measure_layer_step(model, steps=steps)
         elif params.per_layer_step_s:
             probe = lambda: params.per_layer_step_s
