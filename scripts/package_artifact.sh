@@ -9,7 +9,9 @@
 #   results/reference/   the reference result CSVs (REFERENCE=<dir>, default results/reference)
 #   figures/reference/   every figure and table drawn from them by make_figures.py (SKIP_FIGURES=1: none)
 #   ARTIFACT.md, CITATION.cff, .zenodo.json (from HEAD)
-#   SHA256SUMS           every file of the package, checked with `sha256sum -c SHA256SUMS` before packing
+#   SHA256SUMS           the manifest: every file of the package and its sha256; verified before packing
+#                        with `python scripts/checksums.py verify` (digests AND the file list: a changed,
+#                        missing or added file fails; `sha256sum -c SHA256SUMS` checks only the digests)
 # Beside the tarball: <name>.tar.gz.sha256. The tarball is reproducible for a given tree (sorted
 # names, fixed owner and mtime = the commit time, gzip without a timestamp).
 set -euo pipefail
@@ -51,13 +53,16 @@ if [[ "${SKIP_FIGURES:-0}" != 1 && -d "$root/results/reference" ]]; then
 fi
 find "$root" -name __pycache__ -type d -prune -exec rm -rf {} +
 
-(cd "$root" && rm -f SHA256SUMS && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum \
-   | sed 's|  \./|  |' > "$stage/SHA256SUMS" && mv "$stage/SHA256SUMS" SHA256SUMS && sha256sum -c --quiet SHA256SUMS)
-echo "SHA256SUMS: $(wc -l < "$root/SHA256SUMS") files, verified"
+# SHA256SUMS is the manifest: every file of the package, so an added file fails verification too
+rm -f "$root/SHA256SUMS"
+"$PY" scripts/checksums.py write --dir "$root" > /dev/null
+(cd "$root" && sha256sum -c --quiet --strict SHA256SUMS)
+"$PY" scripts/checksums.py verify --dir "$root" > /dev/null
+echo "SHA256SUMS: $(wc -l < "$root/SHA256SUMS") files, verified (scripts/checksums.py: digests and the file list)"
 
 mkdir -p "$OUT"
 tarball="$OUT/$name.tar.gz"
 tar --sort=name --owner=0 --group=0 --numeric-owner --mtime="@$mtime" -C "$stage" -cf - "$name" | gzip -n -9 > "$tarball"
 (cd "$OUT" && sha256sum "$name.tar.gz" > "$name.tar.gz.sha256")
 echo "wrote $tarball ($(du -h "$tarball" | cut -f1)) and $tarball.sha256"
-echo "check: tar -xzf $tarball && cd $name && sha256sum -c SHA256SUMS"
+echo "check: tar -xzf $tarball && cd $name && python scripts/checksums.py verify"

@@ -48,6 +48,9 @@ def test_package_builds_verifies_and_draws(tmp_path):
     listed = {line.split("  ", 1)[1] for line in (root / "SHA256SUMS").read_text().splitlines()}
     on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {"SHA256SUMS"}
     assert listed == on_disk  # every file, and nothing else
+    manifest = [sys.executable, "scripts/checksums.py", "verify"]
+    ok = subprocess.run(manifest, cwd=root, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
     for path in ("ARTIFACT.md", "CITATION.cff", ".zenodo.json", "make_figures.py", "run.py",
                  "results/paper/claims.csv", "results/reference/main/tiny_dsv2-specter-high/records.csv",
                  "results/reference/main/tiny_dsv2-specter-high/config.yaml", "figures/reference/fig14_tpot.png",
@@ -63,3 +66,31 @@ def test_package_builds_verifies_and_draws(tmp_path):
     which = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); import specter.figures as f; "
                             "print(f.__file__)"], cwd=root, env=clean, capture_output=True, text=True)
     assert which.stdout.strip().startswith(str(root))
+
+
+def _verify(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "checksums.py"), "verify", "--dir", str(root)],
+                          capture_output=True, text=True)
+
+
+def test_manifest_catches_added_changed_and_missing_files(tmp_path):
+    """SHA256SUMS lists every file: `sha256sum -c` misses an added file, the manifest check does not."""
+    root = tmp_path / "artifact"
+    (root / "results").mkdir(parents=True)
+    (root / "run.py").write_text("print('run')\n")
+    (root / "results" / "records.csv").write_text("a,b\n1,2\n")
+    made = subprocess.run([sys.executable, str(REPO / "scripts" / "checksums.py"), "write", "--dir", str(root)],
+                          capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    assert _verify(root).returncode == 0
+    (root / "results" / "extra.py").write_text("import os\n")  # an added file
+    assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=root).returncode == 0  # not caught
+    added = _verify(root)
+    assert added.returncode == 1 and "added (not in SHA256SUMS): results/extra.py" in added.stderr
+    (root / "results" / "extra.py").unlink()
+    (root / "run.py").write_text("print('changed')\n")
+    changed = _verify(root)
+    assert changed.returncode == 1 and "changed: run.py" in changed.stderr
+    (root / "run.py").unlink()
+    missing = _verify(root)
+    assert missing.returncode == 1 and "missing: run.py" in missing.stderr

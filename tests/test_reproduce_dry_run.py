@@ -1,4 +1,5 @@
-"""scripts/reproduce_all.sh: the QUICK plan printed by DRY_RUN=1, without running or writing anything."""
+"""scripts/reproduce_all.sh: the plan printed by DRY_RUN=1 (and CHECK=1), without running or writing anything:
+the dataset decision that narrows DATASET, and the steps a failed step makes skip (DRY_FAIL)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,25 +17,54 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "reproduce_all.sh"
 TINY = ("tiny_dsv2", "tiny_qwen", "tiny_phi")
 STEP = re.compile(r"^\[(\d+)/(\d+)\] (\S+): (.*)$")
+FIXTURES = REPO / "tests" / "fixtures" / "datasets"
+
+
+def script(tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    out = tmp_path / "out"
+    env.setdefault("ASSETS", str(FIXTURES))  # every dataset present (tiny fixture files)
+    full = dict(os.environ, SPECTER_HOME=str(tmp_path / "home"), RESULTS=str(out / "results"),
+                FIGURES=str(out / "figures"), LOGS=str(out / "logs"), **env)
+    for var in ("METHODS", "DATASET", "DRY_FAIL", "CHECK", "DRY_RUN"):
+        if var not in env:
+            full.pop(var, None)
+    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=full, timeout=60, cwd=tmp_path)
+    assert not out.exists() and not (tmp_path / "home").exists()  # a dry run or check writes nothing
+    return res
 
 
 def dry_run(tmp_path: Path, **env) -> tuple[list[tuple[str, list[str]]], str]:
-    out = tmp_path / "out"
-    full = dict(os.environ, DRY_RUN="1", SPECTER_HOME=str(tmp_path / "home"), RESULTS=str(out / "results"),
-                FIGURES=str(out / "figures"), LOGS=str(out / "logs"), **env)
-    if "METHODS" not in env:
-        full.pop("METHODS", None)
-    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=full, timeout=60)
+    res = script(tmp_path, DRY_RUN="1", **env)
     assert res.returncode == 0, res.stderr
-    assert not out.exists() and not (tmp_path / "home").exists()  # a dry run writes nothing
     steps = []
     for line in res.stdout.splitlines():
         m = STEP.match(line)
         if m:
-            steps.append((m.group(3), shlex.split(m.group(4))))
+            rest = m.group(4)
+            steps.append((m.group(3), rest if rest.startswith("skipped ") else shlex.split(rest)))
     total = {int(STEP.match(line).group(2)) for line in res.stdout.splitlines() if STEP.match(line)}
     assert total == {len(steps)} and steps
     return steps, res.stdout
+
+
+def many_prompts(tmp_path: Path, n: int = 40) -> Path:
+    """An assets folder whose GSM8K file yields n prompts (the full protocol asks 5, batching 32)."""
+    import json
+
+    assets = tmp_path / "many"
+    (assets / "gsm8k").mkdir(parents=True)
+    (assets / "gsm8k" / "test.jsonl").write_text(
+        "".join(json.dumps({"question": f"Question {i}: what is {i} plus {i}?", "answer": str(2 * i)}) + "\n"
+                for i in range(n)))
+    return assets
+
+
+def assets_with(tmp_path: Path, *names: str) -> Path:
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    for name in names:
+        shutil.copytree(FIXTURES / name, assets / name)
+    return assets
 
 
 def default_methods() -> list[str]:
@@ -45,8 +76,8 @@ def default_methods() -> list[str]:
 def test_quick_plan(tmp_path):
     steps, _ = dry_run(tmp_path, QUICK="1")
     names = [n for n, _ in steps]
-    assert names[:3] == [f"quick.train-{m}" for m in TINY]
-    assert "quick.datasets" in names
+    assert names[0] == "quick.datasets"  # the dataset check runs first: it decides what the runs are given
+    assert names[1:4] == [f"quick.train-{m}" for m in TINY]
     assert [n for n in names if "k_sweep" in n] == [f"quick.k_sweep-{m}-low" for m in TINY]  # QUICK: low tier only
     methods = default_methods()
     mains = {n for n in names if n.startswith("quick.main-")}
@@ -57,7 +88,7 @@ def test_quick_plan(tmp_path):
     spec = cmds["quick.main-tiny_qwen-high-specter"]
     assert spec[:2] == ["python", "run.py"]
     for arg in ("experiment=main", "model=tiny_qwen", "memory=high", "hardware=emulated", "model.trained=true",
-                "num_prompts=1", "repeats=2", "max_new_tokens=32"):
+                "num_prompts=1", "repeats=1", "max_new_tokens=32", "dataset=all"):
         assert arg in spec
     out = tmp_path / "out" / "results"
     assert f"k_profile={out}/k_sweep/tiny_qwen-low-emulated/k_profile.json" in spec
@@ -80,7 +111,9 @@ def test_quick_plan_overrides_compose(tmp_path):
 
 
 def test_methods_and_paper_config(tmp_path):
-    steps, _ = dry_run(tmp_path, METHODS="specter offload_ar", HARDWARE="cuda", MODELS="dsv2 qwen15moe phi35moe")
+    steps, out = dry_run(tmp_path, METHODS="specter offload_ar", HARDWARE="cuda", MODELS="dsv2 qwen15moe phi35moe",
+                         ASSETS=str(many_prompts(tmp_path)), DATASET="gsm8k,c4")
+    assert "datasets: gsm8k (GK) (not present: c4 (C4))" in out
     names = [n for n, _ in steps]
     assert not [n for n in names if "train-" in n]  # real models are not trained here
     assert {n for n in names if n.startswith("full.main-")} == {
@@ -91,6 +124,7 @@ def test_methods_and_paper_config(tmp_path):
     spec = dict(steps)["full.main-dsv2-low-specter"]
     assert "hardware=cuda" in spec and not [a for a in spec if a.startswith("model.trained")]
     assert not [a for a in spec if a.startswith(("num_prompts", "repeats"))]  # the full protocol of experiment=main
+    assert "dataset=gsm8k" in spec and "dataset=gsm8k" in dict(steps)["full.batch-dsv2-specter"]
 
 
 def test_slurm_launcher_plan(tmp_path):
@@ -102,10 +136,111 @@ def test_slurm_launcher_plan(tmp_path):
     assert any(a.startswith("output_dir=") and "${model.name}-${method.name}-${memory.name}" in a for a in main)
 
 
+@pytest.mark.parametrize("var", ["QUICK", "DRY_RUN"])
+def test_script_documents_its_settings(var):
+    assert var in SCRIPT.read_text().split("set -uo pipefail")[0]
+
+
+def _runs(steps):
+    return {n: cmd for n, cmd in steps if isinstance(cmd, list) and cmd[1:2] == ["run.py"]}
+
+
+def test_dataset_check_narrows_to_the_datasets_present(tmp_path):
+    """Two of five present: every run is given exactly those two, said once at the start; no step per missing one."""
+    assets = assets_with(tmp_path, "c4", "gsm8k")
+    steps, out = dry_run(tmp_path, QUICK="1", ASSETS=str(assets), DATASET="c4,gsm8k,gpqa")  # GPQA: never bundled
+    header = [line for line in out.splitlines() if line.startswith("datasets:")]
+    assert len(header) == 1
+    assert "datasets: c4 (C4), gsm8k (GK) (not present: gpqa (GP))" in header[0]
+    runs = _runs(steps)
+    assert runs
+    for name, cmd in runs.items():
+        chosen = [a for a in cmd if a.startswith("dataset")]
+        if ".trace-" in name:
+            assert chosen == ["dataset=c4"], (name, chosen)  # one prompt of one dataset: a timeline
+        elif ".batch-" not in name:
+            assert chosen == ["dataset=all", "dataset.name=c4\\,gsm8k"], (name, chosen)
+    prefetch = dict(steps)["quick.bench-prefetch"]
+    assert prefetch[prefetch.index("--datasets") + 1] == "c4"  # QUICK: the ablation on one dataset
+    assert "gpqa" not in " ".join(" ".join(c) for c in runs.values())
+
+
+def test_one_dataset_present_is_passed_by_name(tmp_path):
+    steps, out = dry_run(tmp_path, QUICK="1", ASSETS=str(assets_with(tmp_path, "gsm8k")), DATASET="c4,gsm8k",
+                         MODELS="tiny_qwen", METHODS="offload_ar specter")
+    runs = _runs(steps)
+    assert all("dataset=gsm8k" in cmd for n, cmd in runs.items() if ".batch-" not in n)
+    assert "datasets: gsm8k (GK) (not present: c4 (C4))" in out
+
+
+def test_narrowed_dataset_composes_and_validates(tmp_path):
+    """The comma list reaches the run's config as dataset.name and passes validation."""
+    from conftest import compose
+
+    from specter.harness.config import validate
+    from specter.harness.datasets import expand_datasets
+
+    steps, _ = dry_run(tmp_path, QUICK="1", ASSETS=str(assets_with(tmp_path, "c4", "gsm8k")),
+                       DATASET="c4,gsm8k,gpqa", MODELS="tiny_qwen", TIERS="high", METHODS="offload_ar")
+    # (gpqa: not present, not bundled)
+    cmd = _runs(steps)["quick.main-tiny_qwen-high-offload_ar"]
+    cfg = compose(cmd[2:])
+    assert expand_datasets(cfg.dataset.name) == ["c4", "gsm8k"]
+    validate(cfg)
+
+
+def test_no_dataset_present_stops_with_one_message(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = script(tmp_path, DRY_RUN="1", QUICK="1", ASSETS=str(empty), DATASET="c4,gpqa")  # neither is bundled
+    assert res.returncode == 2
+    assert not STEP.search(res.stdout) and "Traceback" not in res.stderr
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "none of the requested datasets" in errors[0]
+    assert f"{empty}/c4/" in res.stderr and f"{empty}/gpqa/" in res.stderr  # where each file goes
+    assert "prepare_datasets" in res.stderr
+
+
+def test_bad_dataset_name_is_one_message(tmp_path):
+    res = script(tmp_path, DRY_RUN="1", QUICK="1", DATASET="c5")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.count("error:") == 1 and "unknown dataset 'c5'" in res.stderr
+
+
+def test_failed_step_skips_its_dependents_only(tmp_path):
+    """DRY_FAIL: a failed training skips every step of that model; a failed K sweep skips the specter runs
+    that read its profile; independent steps still run."""
+    steps, out = dry_run(tmp_path, QUICK="1", DRY_FAIL="quick.train-tiny_dsv2 quick.k_sweep-tiny_qwen-low")
+    result = dict(steps)
+    skipped = {n: r for n, r in result.items() if isinstance(r, str)}
+    dsv2 = [n for n in result if "tiny_dsv2" in n and n != "quick.train-tiny_dsv2"]
+    assert dsv2 and all(skipped.get(n) == "skipped because quick.train-tiny_dsv2 failed" for n in dsv2)
+    assert skipped["quick.bench-verify"] == "skipped because quick.train-tiny_dsv2 failed"
+    for n in ("quick.main-tiny_qwen-high-specter", "quick.main-tiny_qwen-low-specter", "quick.batch-tiny_qwen-specter",
+              "quick.trace-tiny_qwen"):
+        assert skipped[n] == "skipped because quick.k_sweep-tiny_qwen-low failed", n
+    for n in ("quick.main-tiny_qwen-high-offload_ar", "quick.main-tiny_phi-low-specter", "quick.batch-tiny_qwen-mo_sm",
+              "quick.bench-draft-kernel", "quick.figures"):
+        assert n not in skipped, n
+    assert f"DRY_FAIL: {len(skipped)} step(s) would be skipped" in out
+
+
+def test_check_prints_plan_data_and_estimate(tmp_path):
+    res = script(tmp_path, CHECK="1", QUICK="1")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "datasets: c4 (C4), wikitext2 (WT), humaneval (HE), gsm8k (GK), gpqa (GP)" in out
+    total = [line for line in out.splitlines() if line.startswith("total")]
+    assert len(total) == 1 and re.search(r"\d+ (min|s)", total[0])
+    assert "per-kind constants" in out and "estimate.py" in out
+    assert not STEP.search(out)  # a check lists kinds, not commands
+
+
 @pytest.mark.parametrize("launcher", ["", "slurm"])
 def test_moe_spec_shares_specters_k_profile(tmp_path, launcher):
-    """MoE-Spec budgets Specter's verification: it runs with the same tier's profiled K."""
-    steps, _ = dry_run(tmp_path, LAUNCHER=launcher, METHODS="specter moe_spec offload_ar")
+    """MoE-Spec budgets Specter's verification: it runs with the same tier's profiled K (and needs its sweep)."""
+    steps, _ = dry_run(tmp_path, LAUNCHER=launcher, METHODS="specter moe_spec offload_ar",
+                       ASSETS=str(many_prompts(tmp_path)), DATASET="gsm8k")
     cmds = dict(steps)
     out = tmp_path / "out" / "results"
     if launcher:
@@ -118,8 +253,24 @@ def test_moe_spec_shares_specters_k_profile(tmp_path, launcher):
             assert profile in cmds[f"full.main-tiny_qwen-{tier}-specter"]
             assert profile in cmds[f"full.main-tiny_qwen-{tier}-moe_spec"]
             assert not any(a.startswith("k_profile=") for a in cmds[f"full.main-tiny_qwen-{tier}-offload_ar"])
+        failed = dict(dry_run(tmp_path, METHODS="specter moe_spec offload_ar", ASSETS=str(tmp_path / "many"),
+                              DATASET="gsm8k", DRY_FAIL="full.k_sweep-tiny_qwen-low")[0])
+        assert failed["full.main-tiny_qwen-low-moe_spec"] == "skipped because full.k_sweep-tiny_qwen-low failed"
+        assert isinstance(failed["full.main-tiny_qwen-low-offload_ar"], list)
 
 
-@pytest.mark.parametrize("var", ["QUICK", "DRY_RUN"])
-def test_script_documents_its_settings(var):
-    assert var in SCRIPT.read_text().split("set -uo pipefail")[0]
+def test_bare_clone_runs_on_the_offline_bundle(tmp_path):
+    """No assets at all: the datasets the repository bundles (initialization/assets) are what the runs use."""
+    from specter.harness.datasets import bundle_manifest
+
+    bundled = [n for n in ("c4", "wikitext2", "humaneval", "gsm8k", "gpqa") if n in bundle_manifest()]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    steps, out = dry_run(tmp_path, QUICK="1", ASSETS=str(empty), MODELS="tiny_qwen", METHODS="offload_ar")
+    line = next(line for line in out.splitlines() if line.startswith("datasets:"))
+    for name in bundled:
+        assert f"{name} (" in line.split("(not present")[0], (name, line)
+    from specter.reproduce.datasets import dataset_overrides
+
+    cmd = _runs(steps)["quick.main-tiny_qwen-high-offload_ar"]
+    assert [a for a in cmd if a.startswith("dataset")] == dataset_overrides(tuple(bundled))

@@ -28,7 +28,8 @@ from specter.quant.draft import build_draft, draft_forward
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.batched import BatchedAutoregressive, BatchedSpeculativeEngine, BatchRun
 from specter.speculative.engine import SpeculativeEngine
-from specter.speculative.sampling import SamplingParams
+from specter.speculative.sampling import SamplingParams, next_token
+from specter.models.compact.decode import generate_compact
 
 
 @dataclass
@@ -103,11 +104,19 @@ class TargetOnly(Method):
             raise ConfigError("target_only keeps every weight on the device and does not apply a memory budget; "
                               "drop memory.budget_mb, or use an offloading method (offload_ar, specter)")
         self.model = load_full_model(checkpoint, self.dtype, self.device)
+        self.compact = compact_decoder(cfg, self.model)  # None: transformers' modules decode
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         clock = CommitClock()
+        if self.compact is not None:
+            tokens = generate_compact(self.compact, prompt_ids, max_new_tokens,
+                                      lambda logits: next_token(logits, self.params, generator), clock)
+            return Generation(tokens, clock)
         tokens = generate_autoregressive(self.model, prompt_ids, max_new_tokens, self.params, generator, clock)
         return Generation(tokens, clock)
+
+    def environment(self) -> dict[str, Any]:
+        return {"decode_path": "compact" if self.compact is not None else "hf"}
 
     def generate_batch(self, prompts, max_new_tokens, generators):
         return BatchedAutoregressive(self.model, self.params).generate_batch(prompts, max_new_tokens, generators)
@@ -298,6 +307,20 @@ class Specter(Method):
 
     def close(self) -> None:
         self.rt.close()
+
+
+def compact_decoder(cfg: DictConfig, model: torch.nn.Module):
+    """The compact decoder over `model` when `method.decode_path=compact`, else None."""
+    path = cfg.method.get("decode_path") or "hf"
+    if path not in ("hf", "compact"):
+        raise ConfigError(f"method.decode_path={path!r}: choose hf or compact")
+    if path == "hf":
+        return None
+    from specter.models.compact import SUPPORTED, build_compact
+
+    if model.config.model_type not in SUPPORTED:
+        raise ConfigError(f"method.decode_path=compact supports {SUPPORTED}, not {model.config.model_type!r}")
+    return build_compact(model, max_length=cfg.prefix_tokens + cfg.max_new_tokens + 8)
 
 
 def auto_staging(headroom_bytes: int, expert_bytes: int, moe_layers: int, per_layer: float) -> int:

@@ -71,6 +71,7 @@ class MethodConfig:
     name: str = MISSING
     runner: str = MISSING  # "package.module:Class" implementing specter.harness.methods.Method
     speculative: bool = False
+    decode_path: str = "hf"  # hf (transformers modules) | compact (specter.models.compact; target_only so far)
 
 
 @dataclass

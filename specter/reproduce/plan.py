@@ -1,0 +1,269 @@
+"""The steps of reproduce_all: each one's command, the steps it needs and the outputs that prove it ran.
+
+Order: check the datasets -> train the tiny models (once) -> K sweep per model and tier -> the main
+grid (models x tiers x methods) -> batching -> planner trace -> benchmarks (draft kernel,
+verification schedule, prefetch ablation) -> make_figures.py.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specter.reproduce.datasets import DatasetDecision, dataset_overrides
+from specter.reproduce.protocol import protocol
+from specter.reproduce.settings import REPO, Settings
+
+# what make_figures draws each step's outputs into (for the closing summary)
+FEEDS = {
+    "k_sweep": "Fig. 7 K sweep",
+    "main": "Fig. 14 TPOT grid, headline speedups, Fig. 13 routing, I/O vs oracle",
+    "batch": "Figs. 15/16 + Table 3 batching",
+    "trace": "Figs. 8/9 planner timeline",
+    "bench-draft-kernel": "Figs. 10/11 draft kernel",
+    "bench-verify": "Verification schedule",
+    "bench-prefetch": "results/bench/bench_methods.csv (prefetch ablation)",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One output a finished step leaves: kind in trained | run | k_sweep | batch | trace | csv."""
+
+    kind: str
+    path: Path
+    datasets: tuple[str, ...] = ()   # run/trace: the datasets its records must cover
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str                                  # "<mode>.<kind>-<what>", also its log and marker name
+    kind: str                                  # datasets | train | k_sweep | main | batch | trace | bench | figures
+    argv: tuple[str, ...]
+    needs: tuple[str, ...] = ()                # names of the steps whose outputs it reads
+    checks: tuple[Check, ...] = ()             # its outputs; empty: rerun every time (datasets, figures)
+    records: int = 0                           # records it measures (time estimate)
+    units: int = 1                             # K values, batch sizes or runs it contains (time estimate)
+    model: str = ""
+    method: str = ""
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+
+@dataclass
+class Plan:
+    steps: list[Step] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    mode: str = "quick"
+
+    def add(self, kind: str, name: str, argv: list[str], **kw) -> Step:
+        step = Step(name=f"{self.mode}.{name}", kind=kind, argv=tuple(argv), **kw)
+        self.steps.append(step)
+        return step
+
+    def names(self) -> list[str]:
+        return [s.name for s in self.steps]
+
+
+# methods that run with the tier's profiled K: Specter, and MoE-Spec (verification-time budgeting on Specter)
+PROFILED = ("specter", "moe_spec")
+
+
+def primary(ready: tuple[str, ...]) -> str:
+    """The dataset of one-dataset steps (trace; QUICK batching and prefetch): HumanEval, as the
+    batch experiment's default, else the first present."""
+    return "humaneval" if "humaneval" in ready or not ready else ready[0]
+
+
+def is_tiny(model: str) -> bool:
+    return model.startswith("tiny_")
+
+
+def _k_profile(s: Settings, model: str, tier: str) -> Path:
+    """The K profile a specter run of `model` at `tier` uses (QUICK sweeps the low tier only)."""
+    return s.results / "k_sweep" / f"{model}-{'low' if s.quick else tier}-{s.hardware}" / "k_profile.json"
+
+
+def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
+    """Every step, with `data.ready` passed to each run explicitly (dataset=...)."""
+    plan = Plan(mode=s.mode)
+    py = s.python
+    assets = [f"assets_dir={s.assets}"] if s.assets else []
+    ds = dataset_overrides(data.ready) if data.ready else ["dataset=all"]
+    # QUICK batches and ablates prefetching on one dataset (experiment=batch's own default is one:
+    # humaneval); the full protocol on every dataset present
+    batch_sets = (primary(data.batch_ready),) if s.quick and data.batch_ready else data.batch_ready
+    prefetch_sets = (primary(data.ready),) if s.quick and data.ready else data.ready
+    ds_batch = dataset_overrides(batch_sets) if batch_sets else []
+    n_ds, n_batch_ds = len(data.ready), len(batch_sets)
+
+    prepare = [py, "-m", "initialization.prepare_datasets", "--datasets", s.dataset]
+    datasets_step = plan.add("datasets", "datasets", prepare + (["--assets", s.assets] if s.assets else []))
+    data_needs = (datasets_step.name,)
+
+    trained: dict[str, str] = {}  # model -> the training step it needs
+    for m in s.models:
+        if not (is_tiny(m) and s.trained):
+            continue
+        folder = s.home / "models" / f"{m}-trained"
+        step = plan.add("train", f"train-{m}", [py, "-m", "initialization.train_tiny", m, "--no-progress"],
+                        checks=(Check("trained", folder),), model=m)
+        trained[m] = step.name
+
+    def needs(model: str, *more: str) -> tuple[str, ...]:
+        return (*data_needs, *((trained[model],) if model in trained else ()), *more)
+
+    def trained_opt(model: str) -> list[str]:
+        return [f"model.trained={str(s.trained).lower()}"] if is_tiny(model) else []
+
+    sweep = protocol("k_sweep", s.quick, repo)
+    main = protocol("main", s.quick, repo)
+    batch = protocol("batch", s.quick, repo)
+    quick_over = (lambda p, e: p.overrides(e)) if s.quick else (lambda p, e: [])
+    sweeps: dict[tuple[str, str], str] = {}  # (model, tier) -> the step that writes its K profile
+
+    def sweep_of(model: str, tier: str) -> tuple[str, ...]:
+        name = sweeps.get((model, "low" if s.quick else tier))
+        return (name,) if name else ()
+
+    if not s.launcher:
+        for m in s.models:
+            for tier in s.sweep_tiers:
+                out = s.results / "k_sweep" / f"{m}-{tier}-{s.hardware}"
+                sweeps[(m, tier)] = plan.add("k_sweep", f"k_sweep-{m}-{tier}",
+                         [py, "run.py", "experiment=k_sweep", f"model={m}", f"memory={tier}", f"hardware={s.hardware}",
+                          *ds, *trained_opt(m), *quick_over(sweep, "k_sweep"), *assets, f"output_dir={out}"],
+                         needs=needs(m), checks=(Check("k_sweep", out),),
+                         records=n_ds * sweep.num_prompts * sweep.repeats * len(sweep.k_values),
+                         units=len(sweep.k_values), model=m, method="specter").name
+        for m in s.models:
+            for tier in s.tiers:
+                for method in s.methods:
+                    extra, more = [], ()
+                    if method in PROFILED:
+                        extra, more = [f"k_profile={_k_profile(s, m, tier)}"], sweep_of(m, tier)
+                    out = s.results / "main" / f"{m}-{method}-{tier}"
+                    plan.add("main", f"main-{m}-{tier}-{method}",
+                             [py, "run.py", "experiment=main", f"model={m}", f"memory={tier}", f"method={method}",
+                              f"hardware={s.method_hardware(method)}", *ds, *trained_opt(m),
+                              *quick_over(main, "main"), *assets, *extra, f"output_dir={out}"],
+                             needs=needs(m, *more), checks=(Check("run", out, data.ready),),
+                             records=n_ds * main.num_prompts * main.repeats, model=m, method=method)
+    else:
+        sweeps.update(_multirun_grid(plan, s, ds, assets, trained, data))
+
+    if not (repo / "conf" / "experiment" / "batch.yaml").is_file():
+        plan.notes.append("batch: conf/experiment/batch.yaml not found; Figs. 15/16 and Table 3 will be skipped")
+    elif not ds_batch:
+        plan.notes.append(f"batch: no dataset yields {batch.num_prompts} prompts; Figs. 15/16 and Table 3 "
+                          "will be skipped")
+    else:
+        for m in s.batch_models:
+            for method in s.batch_methods:
+                if method not in s.methods:
+                    continue
+                extra, more = [], ()
+                if method == "specter":
+                    extra, more = [f"k_profile={_k_profile(s, m, 'high')}"], sweep_of(m, "high")
+                hw = s.method_hardware(method)
+                out = s.results / "batch" / f"{m}-{method}-high-{hw}"
+                plan.add("batch", f"batch-{m}-{method}",
+                         [py, "run.py", "experiment=batch", f"model={m}", "memory=high", f"method={method}",
+                          f"hardware={hw}", *ds_batch, *trained_opt(m), *quick_over(batch, "batch"), *assets, *extra,
+                          f"output_dir={out}"],
+                         needs=needs(m, *more),
+                         checks=(Check("batch", out),), records=n_batch_ds * batch.num_prompts * len(batch.batch_sizes),
+                         units=len(batch.batch_sizes), model=m, method=method)
+
+    trace_ok = "specter" in s.methods and s.hardware != "cuda" and \
+        "trace_windows" in (repo / "specter" / "harness" / "schema.py").read_text(encoding="utf-8")
+    if trace_ok:
+        trace_ds = primary(data.ready)
+        for m in s.models:
+            out = s.results / "trace" / f"{m}-specter-low"
+            plan.add("trace", f"trace-{m}",
+                     [py, "run.py", f"model={m}", "memory=low", "method=specter", f"hardware={s.hardware}",
+                      f"dataset={trace_ds}", "num_prompts=1", "repeats=1", *trained_opt(m), *assets,
+                      f"k_profile={_k_profile(s, m, 'low')}", "method.trace_windows=true", f"output_dir={out}"],
+                     needs=needs(m, *sweep_of(m, "low")),
+                     checks=(Check("trace", out, (trace_ds,)),), records=1, model=m, method="specter")
+    else:
+        plan.notes.append("trace: no method.trace_windows (or HARDWARE=cuda, or no specter in METHODS); the planner "
+                          "timeline (Figs. 8/9) will be skipped")
+
+    bench = s.results / "bench"
+    plan.add("bench", "bench-draft-kernel",
+             [py, "scripts/bench_draft_kernel.py", *(["--quick", "--dtype", "float32"] if s.quick else []),
+              str(bench / "draft_kernel.csv")], checks=(Check("csv", bench / "draft_kernel.csv"),))
+    tiny = [m for m in s.models if is_tiny(m)]
+    if tiny:
+        untrained = [] if s.trained else ["--untrained"]
+        tiny_needs = tuple(trained[m] for m in tiny if m in trained)
+        verify = ["--memory", "low", "--K", "4", "8", "16", "--reps", "3"] if s.quick else []
+        plan.add("bench", "bench-verify",
+                 [py, "scripts/bench_verify.py", "--models", *tiny, *verify, "--hardware", s.hardware, *untrained,
+                  "--out", str(bench / "verify_schedule.csv")],
+                 needs=tiny_needs, checks=(Check("csv", bench / "verify_schedule.csv"),), units=len(tiny))
+        pre = protocol("prefetch", s.quick, repo)
+        quick_pre = ["--memory", "low", "--num-prompts", "1", "--max-new-tokens", "32"] if s.quick else []
+        plan.add("bench", "bench-prefetch",
+                 [py, "scripts/bench_methods.py", "--suite", "prefetch", "--models", *tiny, *quick_pre,
+                  "--datasets", ",".join(prefetch_sets) or "humaneval", "--hardware", s.hardware, *untrained,
+                  *(["--assets", s.assets] if s.assets else []), "--out", str(bench)],
+                 needs=(*data_needs, *tiny_needs), checks=(Check("csv", bench / "bench_methods.csv"),),
+                 records=len(tiny) * 5 * len(prefetch_sets) * pre.num_prompts * pre.repeats, units=len(tiny) * 5)
+    else:
+        plan.notes.append("bench-verify, bench-prefetch: tiny models only (MODELS has none)")
+    plan.add("figures", "figures", [py, "make_figures.py", "--results", str(s.results), "--figures", str(s.figures)])
+    return plan
+
+
+def _multirun_grid(plan: Plan, s: Settings, ds: list[str], assets: list[str], trained: dict[str, str],
+                   data: DatasetDecision) -> dict[tuple[str, str], str]:
+    """LAUNCHER=slurm|local: the grid as Hydra multiruns, one per kind of job (tiny and real models apart)."""
+    py, launcher = s.python, f"hydra/launcher={s.launcher}"
+    sweep, main = protocol("k_sweep", s.quick), protocol("main", s.quick)
+    over = (lambda p, e: p.overrides(e)) if s.quick else (lambda p, e: [])
+    profile_tier = "low" if s.quick else "${memory.name}"
+    profiled = [m for m in s.methods if m in PROFILED]
+    others = [m for m in s.methods if m not in (*PROFILED, "target_only")]
+    sweeps: dict[tuple[str, str], str] = {}
+    for group, models in (("tiny", [m for m in s.models if is_tiny(m)]), ("real", [m for m in s.models
+                                                                                  if not is_tiny(m)])):
+        if not models:
+            continue
+        topt = [f"model.trained={str(s.trained).lower()}"] if group == "tiny" else []
+        needs = (plan.steps[0].name, *(trained[m] for m in models if m in trained))
+        common = [f"model={','.join(models)}", *ds, *topt]
+        checks = tuple(Check("k_sweep", s.results / "k_sweep" / f"{m}-{t}-{s.hardware}")
+                       for m in models for t in s.sweep_tiers)
+        k = plan.add("k_sweep", f"k_sweep-{group}",
+                     [py, "run.py", "-m", launcher, "experiment=k_sweep", *common, f"memory={','.join(s.sweep_tiers)}",
+                      f"hardware={s.hardware}", *over(sweep, "k_sweep"), *assets,
+                      f"output_dir={s.results}/k_sweep/" + "${model.name}-${memory.name}-${hardware.name}"],
+                     needs=needs, checks=checks, units=len(checks) * len(sweep.k_values),
+                     records=len(checks) * len(data.ready) * sweep.num_prompts * sweep.repeats * len(sweep.k_values))
+        sweeps.update({(m, t): k.name for m in models for t in s.sweep_tiers})
+
+        def grid(name: str, methods: list[str], hardware: str, *extra: str, after: tuple[str, ...] = ()) -> None:
+            checks = tuple(Check("run", s.results / "main" / f"{m}-{meth}-{t}", data.ready)
+                           for m in models for meth in methods for t in s.tiers)
+            plan.add("main", name,
+                     [py, "run.py", "-m", launcher, "experiment=main", *common, f"memory={','.join(s.tiers)}",
+                      f"method={','.join(methods)}", f"hardware={hardware}", *over(main, "main"), *assets, *extra,
+                      f"output_dir={s.results}/main/" + "${model.name}-${method.name}-${memory.name}"],
+                     needs=(*needs, *after), checks=checks, units=len(checks),
+                     records=len(checks) * len(data.ready) * main.num_prompts * main.repeats)
+
+        if profiled:
+            grid(f"main-{group}-specter", profiled, s.hardware,
+                 f"k_profile={s.results}/k_sweep/" + "${model.name}-" + profile_tier + "-${hardware.name}/k_profile.json",
+                 after=(k.name,))
+        if "target_only" in s.methods:
+            grid(f"main-{group}-target_only", ["target_only"], s.method_hardware("target_only"))
+        if others:
+            grid(f"main-{group}-others", others, s.hardware)
+    return sweeps
