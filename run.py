@@ -26,13 +26,18 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
-    from specter.harness.errors import USER_ERRORS, report
+    from specter.harness.errors import USER_ERRORS, disk_error, report
     from specter.harness.experiments import run_experiment
 
     try:
         run_experiment(cfg)
     except USER_ERRORS as err:
         report(err)
+        sys.exit(2)
+    except OSError as err:
+        if disk_error(err) is None:
+            raise
+        report(disk_error(err))
         sys.exit(2)
 
 
@@ -43,6 +48,15 @@ def _needs_hydra(argv: list[str]) -> bool:
 
 if __name__ == "__main__":
     if _needs_hydra(sys.argv[1:]):
+        from specter.harness.cli import check_optional_groups
+        from specter.harness.config import ConfigError
+        from specter.harness.errors import report
+
+        try:  # Hydra's multirun skips a missing option of an optional group: refuse it first
+            check_optional_groups([a for a in sys.argv[1:] if not a.startswith("-")])
+        except ConfigError as err:
+            report(err)
+            sys.exit(2)
         hydra_main()
     else:
         from specter.harness.cli import main

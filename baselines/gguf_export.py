@@ -375,20 +375,35 @@ def export_gguf(checkpoint: Path, out: Path, file_type: str = "f32", name: str |
 
 
 def cached_gguf(checkpoint: Path, file_type: str, label: str | None = None) -> Path:
-    """The checkpoint's GGUF under $SPECTER_HOME/gguf, exported on first use (keyed by the weights' digest)."""
+    """The checkpoint's GGUF under $SPECTER_HOME/gguf, exported on first use (keyed by the weights' digest).
+
+    Beside it, `<name>.sha256` holds the export's content digest (written before the file is renamed
+    into place); a cached file is used only when its content still matches (`specter.paths.cached_sha256`,
+    hashed once per content), else it is exported again."""
+    import sys
+
     from specter.models.registry import checkpoint_digest
-    from specter.paths import specter_home
+    from specter.paths import atomic_write_text, cached_sha256, file_sha256, safe_name, specter_home
 
     checkpoint = Path(checkpoint)
-    label = label or checkpoint.name
+    label = safe_name(label or checkpoint.name, "model.name")
     path = specter_home() / "gguf" / f"{label}-{checkpoint_digest(checkpoint)[:12]}-{file_type}.gguf"
+    sums = path.with_name(path.name + ".sha256")
     if path.exists():
-        return path
+        try:
+            expected = sums.read_text().strip()
+        except OSError:
+            expected = None
+        if expected == cached_sha256(path):
+            return path
+        print(f"specter: the cached {path} does not match its checksum ({sums.name}); exporting it again",
+              file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         export_gguf(checkpoint, Path(tmp), file_type, name=label)
+        atomic_write_text(sums, file_sha256(Path(tmp)) + "\n")
         os.replace(tmp, path)  # atomic: a half-written export is never picked up
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -101,33 +101,45 @@ def same_memory_residents(rt: Runtime, K: int, specter_resident: int, prefix_tok
                           max_new_tokens: int) -> dict[str, Any]:
     """MO-SM's slot count with the footprint accounting of the budget check, and its derivation."""
     om, fp = rt.om, rt.footprint
-    L, E, eb = len(om.moe_layers), om.num_experts, om.store.nbytes_per_expert
     seq1 = prefix_tokens + max_new_tokens + 1  # positions of an autoregressive run (K = 0)
     if fp.kv_cache % seq1:
         raise ValueError(f"KV bytes {fp.kv_cache} are not a multiple of the {seq1} positions they were sized for")
-    kv_token = fp.kv_cache // seq1
     cfgm, dtype = om.model.config, rt.cache.dtype
+    sm = specter_method_defaults()
+    return same_memory_slots(
+        non_expert=fp.non_expert, L=len(om.moe_layers), E=om.num_experts, expert_bytes=om.store.nbytes_per_expert,
+        kv_token=fp.kv_cache // seq1, seq1=seq1, K=K, specter_resident=specter_resident,
+        int4_draft=int4_draft_bytes(rt), scratch_K=scratch_bytes(cfgm, K, 1, dtype),
+        scratch_0=scratch_bytes(cfgm, 0, 1, dtype), mo_staging=rt.cache.staging, budget=rt.budget_bytes,
+        specter_staging=sm.staging_buffers, staging_per_layer=float(sm.staging_per_layer))
+
+
+def same_memory_slots(*, non_expert: int, L: int, E: int, expert_bytes: int, kv_token: int, seq1: int, K: int,
+                      specter_resident: int, int4_draft: int, scratch_K: int, scratch_0: int, mo_staging: int,
+                      budget: int, specter_staging: int | None, staging_per_layer: float) -> dict[str, Any]:
+    """The derivation of MO-SM's slots from the facts alone (bytes and counts, no model): what
+    `same_memory_residents` reports for a loaded runtime and the memory plan reports from a config."""
+    eb = expert_bytes
     specter = {
-        "K": K, "resident": specter_resident, "non_expert": fp.non_expert,
-        "cache_slots": specter_resident * L * eb, "int4_draft": int4_draft_bytes(rt),
-        "kv_cache": kv_token * (seq1 + K), "scratch": scratch_bytes(cfgm, K, 1, dtype),
+        "K": K, "resident": specter_resident, "non_expert": non_expert,
+        "cache_slots": specter_resident * L * eb, "int4_draft": int4_draft,
+        "kv_cache": kv_token * (seq1 + K), "scratch": scratch_K,
     }
     specter["total"] = sum(v for k, v in specter.items() if k not in ("K", "resident"))
     # Specter's staging buffers, by its own rule: method.staging_buffers, else what the budget still holds (<= cap)
-    sm = specter_method_defaults()
-    headroom = max(0, rt.budget_bytes - specter["total"])
-    n_staging = sm.staging_buffers if sm.staging_buffers is not None else auto_staging(headroom, eb, L, sm.staging_per_layer)
+    headroom = max(0, budget - specter["total"])
+    n_staging = specter_staging if specter_staging is not None else auto_staging(headroom, eb, L, staging_per_layer)
     specter["staging_buffers"] = int(n_staging) * eb
     specter["total"] += specter["staging_buffers"]
-    staging = rt.cache.staging * eb
-    fixed = fp.non_expert + staging + kv_token * seq1 + scratch_bytes(cfgm, 0, 1, dtype)
+    staging = mo_staging * eb
+    fixed = non_expert + staging + kv_token * seq1 + scratch_0
     slot_row = L * eb  # one more slot in every MoE layer
     resident = min(E, (specter["total"] - fixed) // slot_row)
     return {
         "formula": "M' = min(E, floor((F_specter - non_expert - staging - kv_1 - scratch_1) / (L * expert_bytes)))",
         "specter_footprint": specter,
-        "mo_sm_fixed": {"non_expert": fp.non_expert, "staging_buffers": staging, "kv_cache": kv_token * seq1,
-                        "scratch": scratch_bytes(cfgm, 0, 1, dtype), "total": fixed},
+        "mo_sm_fixed": {"non_expert": non_expert, "staging_buffers": staging, "kv_cache": kv_token * seq1,
+                        "scratch": scratch_0, "total": fixed},
         "L": L, "E": E, "expert_bytes": eb, "resident": int(resident),
         "mo_sm_footprint": fixed + int(resident) * slot_row,
     }

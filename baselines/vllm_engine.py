@@ -43,7 +43,7 @@ from specter.harness.config import ConfigError
 from specter.harness.methods import Generation, Method
 from specter.harness.runtime import budget_bytes
 from specter.metrics import CommitClock
-from specter.paths import specter_home
+from specter.paths import safe_name, specter_home
 
 SETUP = "bash scripts/setup_vllm.sh"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -57,6 +57,22 @@ def vllm_python(cfg: DictConfig) -> Path:
     if not path.exists():
         raise EngineUnavailable(f"method=vllm needs vLLM's own environment, and {path} does not exist; "
                                 f"create it with: {SETUP}")
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise EngineUnavailable(f"method.python={path} is not an executable file (a Python interpreter of vLLM's "
+                                f"environment); create one with: {SETUP}")
+    probe = "import importlib.util as u; print('vllm' if u.find_spec('vllm') else 'no-vllm')"
+    try:
+        said = subprocess.run([str(path), "-I", "-c", probe], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise EngineUnavailable(f"method.python={path} cannot be run ({err}); create vLLM's environment with: "
+                                f"{SETUP}") from None
+    words = said.split()
+    if not words or words[-1] not in ("vllm", "no-vllm"):
+        raise EngineUnavailable(f"method.python={path} is not a Python interpreter; create vLLM's environment "
+                                f"with: {SETUP}")
+    if words[-1] == "no-vllm":
+        raise EngineUnavailable(f"method.python={path} has no vllm package installed; create vLLM's environment "
+                                f"with: {SETUP}")
     return path
 
 
@@ -103,7 +119,7 @@ def vllm_checkpoint(checkpoint: Path, label: str) -> Path:
         return checkpoint
     from specter.models.registry import checkpoint_digest
 
-    view = specter_home() / "vllm" / f"{label}-{checkpoint_digest(checkpoint)[:12]}"
+    view = specter_home() / "vllm" / f"{safe_name(label, 'model.name')}-{checkpoint_digest(checkpoint)[:12]}"
     if (view / "zero-biases.safetensors").exists():
         return view
     import shutil
@@ -184,6 +200,11 @@ class Vllm(Method):
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             status = self.proc.poll()
+            if ready and status is None:  # end of output: the worker is exiting, not thinking
+                try:
+                    status = self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    status = None
             what = f"exited (status {status})" if status is not None else f"did not answer {msg['op']!r} in {timeout:.0f} s"
             raise WorkerError(f"the vLLM worker {what}{self._log_tail()}")
         reply = json.loads(line)

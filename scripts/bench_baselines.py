@@ -33,6 +33,7 @@ from pathlib import Path
 import pandas as pd
 
 from specter.harness.compose import compose
+from specter.harness.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 AIM = 1.5  # Specter's TPOT speedup over SpecMoEOff and MO-SM at the low tier (the paper: 1.50x average)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         except USER_ERRORS as err:
             report(err)
             return 2
-        frames.append(pd.read_csv(done / "records.csv").assign(variant=label, bench_pass=pass_))
+        frames.append(read_records(done / "records.csv").assign(variant=label, bench_pass=pass_))
     records = pd.concat(frames, ignore_index=True)
     table = summarize(records)
     out_root.mkdir(parents=True, exist_ok=True)

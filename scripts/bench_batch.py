@@ -24,6 +24,9 @@ from pathlib import Path
 import pandas as pd
 
 from specter.harness.compose import compose
+from specter.harness.records import read_records
+from specter.harness.batch import BATCH_SCHEMA
+from specter.harness.rowstore import read_frame
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 for B in args.sizes:
                     path = folder / f"B={B}" / "batch.csv"
                     if path.exists():
-                        rows.append(pd.read_csv(path))
-                        rec = pd.read_csv(folder / f"B={B}" / "records.csv")
+                        rows.append(read_frame(path, BATCH_SCHEMA))
+                        rec = read_records(folder / f"B={B}" / "records.csv")
                         for r in rec.itertuples():
                             outputs.setdefault((model, memory, r.dataset, r.prompt_index, r.repeat), set()).add(
                                 r.output_digest)

@@ -33,6 +33,7 @@ from pathlib import Path
 import pandas as pd
 
 from specter.harness.compose import compose
+from specter.harness.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("target_only", "target_only_compact", "transformers", "llamacpp", "vllm")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     skipped[(model, method)] = one_line(err)
                     print(f"skipping {method} on {model}: {skipped[(model, method)]}")
                     continue
-                rows.append(pd.read_csv(out / "records.csv").assign(round=rnd, method=method))
+                rows.append(read_records(out / "records.csv").assign(round=rnd, method=method))
     if not rows:
         print("nothing ran")
         return 2

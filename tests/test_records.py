@@ -11,7 +11,7 @@ import subprocess
 import pandas as pd
 import pytest
 
-from specter.harness import records as rec_mod
+from specter.harness import rowstore
 from specter.harness import cli
 from specter.harness.records import COLUMNS, REJECTED_NAME, RecordsError, RecordWriter, read_records, token_digest
 from specter.harness.summary import write_summary
@@ -119,7 +119,7 @@ def test_failed_append_is_cut_back(tmp_path, monkeypatch):
         real_write(fd, data[:17])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(rec_mod.os, "write", full_disk)
+    monkeypatch.setattr(rowstore.os, "write", full_disk)
     with pytest.raises(RecordsError, match="No space left"):
         w.append(row(1))
     monkeypatch.undo()

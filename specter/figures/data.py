@@ -18,7 +18,13 @@ A *result set* is a folder searched recursively. Inside it:
   trace.csv            window,event,layer,expert,start_ms,end_ms,bytes,phase
   load_ratio.csv       model,memory,method,load_ratio,tpot_ms,effective_load_ratio,... (experiment=load_ratio_sweep)
 
-Missing or extra columns are tolerated: a figure uses what it needs and skips with a note otherwise.
+records.csv, batch.csv, routes.csv and trace.csv are read through the harness's validated row
+reader (specter/harness/rowstore.py), the same one the summaries use: a torn, non-UTF-8 or
+non-numeric row is left out with a note naming its file and line, never read as data. Of routes
+and trace rows, only the last block of each record key counts, and only for records the folder's
+records.csv holds as finished. Other CSVs (written atomically by their scripts) and config.yaml
+are read as they are; one that cannot be parsed is skipped with a note. A figure uses the columns
+it needs and skips with a note otherwise.
 """
 
 from __future__ import annotations
@@ -127,7 +133,6 @@ class ResultSet:
         self.paper = Path(paper) if paper is not None else None
         self._configs: dict[Path, dict[str, Any]] = {}
         self._records: pd.DataFrame | None = None
-        self._records: pd.DataFrame | None = None
 
     def files(self, *patterns: str) -> list[Path]:
         """Matching files below the root, less the set-aside folders directly under it (a results/
@@ -138,7 +143,14 @@ class ResultSet:
         folder = Path(folder)
         if folder not in self._configs:
             path = folder / "config.yaml"
-            self._configs[folder] = read_yaml(path) if path.exists() else {}
+            data: Any = {}
+            if path.exists():
+                try:
+                    data = read_yaml(path)
+                except Exception as err:  # noqa: BLE001 - YAML parsers raise many types
+                    print(f"note: {path} cannot be read ({type(err).__name__}); its run is labelled from its CSVs")
+                    data = {}
+            self._configs[folder] = data if isinstance(data, dict) else {}
         return self._configs[folder]
 
     def family(self, model: str, folder: Path | None = None) -> str:
@@ -162,12 +174,8 @@ class ResultSet:
             rel = path.parent.relative_to(self.root).parts
             if any(p.startswith("K=") for p in rel):
                 continue  # K-sweep points: read through k_sweep.csv
-            try:
-                df = pd.read_csv(path)
-            except (pd.errors.EmptyDataError, pd.errors.ParserError):
-                print(f"note: {path} could not be read; ignored")
-                continue
-            if df.empty or "method" not in df.columns or "tpot_ms" not in df.columns:
+            df = read_validated(path)
+            if df is None or df.empty or "method" not in df.columns or "tpot_ms" not in df.columns:
                 continue
             cfg = self.config(path.parent)
             for col, key in (("model", "model"), ("memory", "memory"), ("dataset", "dataset")):
@@ -216,12 +224,8 @@ class ResultSet:
     def csvs(self, pattern: str) -> list[tuple[Path, pd.DataFrame]]:
         out = []
         for path in self.files(pattern):
-            try:
-                df = pd.read_csv(path)
-            except (pd.errors.EmptyDataError, pd.errors.ParserError):
-                print(f"note: {path} could not be read; ignored")
-                continue
-            if not df.empty:
+            df = read_validated(path)
+            if df is not None and not df.empty:
                 out.append((path, df))
         return out
 
@@ -233,3 +237,58 @@ class ResultSet:
         return {"model": model, "memory": name("memory"), "method": name("method"), "hardware": name("hardware"),
                 "family": self.family(str(model), folder) if model else None,
                 "run": str(Path(folder).relative_to(self.root)) if Path(folder).is_relative_to(self.root) else str(folder)}
+
+
+def _schemas() -> dict[str, Any]:
+    from specter.harness.artifacts import SIDE_TABLES
+    from specter.harness.batch import BATCH_SCHEMA
+    from specter.harness.records import SCHEMA as RECORDS
+
+    return {"records.csv": RECORDS, "batch.csv": BATCH_SCHEMA,
+            **{f"{name}.csv": schema for name, schema in SIDE_TABLES.items()}}
+
+
+def read_validated(path: Path) -> pd.DataFrame | None:
+    """A result CSV as a DataFrame, or None (with a note) when it cannot be read.
+
+    Row tables go through the validated reader (invalid rows noted and left out; side tables cut to
+    the finished records of their folder); any other CSV is read as it is."""
+    path = Path(path)
+    note = lambda msg: print(f"note: {msg}")  # noqa: E731
+    schema = _schemas().get(path.name)
+    if schema is None:
+        try:
+            return pd.read_csv(path)
+        except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError, OSError) as err:
+            note(f"{path} could not be read ({type(err).__name__}); ignored")
+            return None
+    from specter.harness.rowstore import RowStoreError, read_frame
+
+    try:
+        df = read_frame(path, schema, warn=note, exact=False)
+    except RowStoreError as err:
+        note(f"{err}; ignored")
+        return None
+    if schema.blocks and (path.parent / "records.csv").exists() and set(schema.key) <= set(df.columns):
+        finished = finished_keys(path.parent / "records.csv", schema.key)
+        if finished is not None:
+            keys = df[list(schema.key)].astype(str).agg("/".join, axis=1)
+            kept = keys.isin(finished)
+            if not kept.all():
+                note(f"{path}: {int((~kept).sum())} rows of unfinished records left out")
+            df = df[kept].reset_index(drop=True)
+    return df
+
+
+def finished_keys(records: Path, key: tuple[str, ...]) -> set[str] | None:
+    """`key` of every finished record in a records.csv, as "a/b/c" strings (None: unreadable)."""
+    from specter.harness.records import SCHEMA as RECORDS
+    from specter.harness.rowstore import RowStoreError, read_table
+
+    try:
+        table = read_table(records, RECORDS, warn=lambda msg: None, exact=False)
+    except RowStoreError:
+        return None
+    if not set(key) <= set(table.header):
+        return None
+    return {"/".join(v.get(c, "") for c in key) for v in table.values()}

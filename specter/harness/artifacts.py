@@ -1,37 +1,60 @@
-"""Per-record side tables of a run folder (routes.csv, trace.csv), appended after each record.
+"""Per-record side tables of a run folder (routes.csv, trace.csv), one block of rows per record.
 
-Each row is prefixed with the record's key (dataset, prompt_index, repeat). A side table is
-written after its record, so a record is never missing because its side table failed; an
-interrupted write leaves at most a record without its rows (drawn as missing, never duplicated:
-readers keep the rows of each record key once).
+Each row is prefixed with the record's key (dataset, prompt_index, repeat). Both tables go through
+the validated row store (specter/harness/rowstore.py): a record's rows are appended as one
+fsynced write, cut back when the write fails, and validated when the table is opened (torn or
+invalid rows set aside in `<name>.rejected.csv`).
+
+A record's side rows are written *before* its records.csv row, so a finished record always has
+its complete side rows: a run interrupted in between leaves rows of an unfinished record, which
+is measured again and appends a new block; readers keep the last block of each record key and
+only the blocks of records that finished (`specter/figures/data.py`).
 """
 
 from __future__ import annotations
 
-import csv
-import os
 from pathlib import Path
 from typing import Any
 
+from specter.harness.rowstore import RowStore, Schema
+
 ARTIFACT_KEY = ("dataset", "prompt_index", "repeat")
 
+ROUTES = Schema(
+    "routes", (*ARTIFACT_KEY, "window", "layer", "expert", "count"), ARTIFACT_KEY, text=frozenset({"dataset"}),
+    integers=frozenset({"prompt_index", "repeat", "window", "layer", "expert", "count"}),
+    required=(*ARTIFACT_KEY, "window", "layer", "expert", "count"), blocks=True,
+)
+_TRACE_V1 = (*ARTIFACT_KEY, "window", "event", "start_ms", "end_ms", "layer", "expert", "bytes", "phase")
+TRACE = Schema(
+    "trace", (*_TRACE_V1, "queued_ms"), ARTIFACT_KEY, text=frozenset({"dataset", "event", "phase"}),
+    integers=frozenset({"prompt_index", "repeat", "window", "bytes"}),
+    required=(*ARTIFACT_KEY, "window", "event", "start_ms", "end_ms"), blocks=True, older=(_TRACE_V1,),
+)
+SIDE_TABLES: dict[str, Schema] = {"routes": ROUTES, "trace": TRACE}
 
-def append_rows(path: Path, key: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """Append `rows` (all with the same columns) to the CSV at `path`, each prefixed with `key`."""
-    if not rows:
-        return
-    columns = [*key, *rows[0]]
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(columns)
-        for row in rows:
-            w.writerow([*key.values(), *("" if row.get(c) is None else row.get(c) for c in columns[len(key):])])
-        f.flush()
-        os.fsync(f.fileno())
+
+class SideTables:
+    """The side tables of one run folder, each opened (and validated) on its first use."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self._stores: dict[str, RowStore] = {}
+
+    def store(self, name: str) -> RowStore:
+        if name not in SIDE_TABLES:
+            raise KeyError(f"unknown side table {name!r}; known: {sorted(SIDE_TABLES)}")
+        if name not in self._stores:
+            self._stores[name] = RowStore(self.out / f"{name}.csv", SIDE_TABLES[name])
+        return self._stores[name]
+
+    def append(self, key: dict[str, Any], artifacts: dict[str, list[dict[str, Any]]]) -> None:
+        """One block per table: `rows`, each prefixed with the record's `key`."""
+        for name, rows in artifacts.items():
+            if rows:
+                self.store(name).append_many([{**key, **row} for row in rows], what=f"the {name} rows of a record")
 
 
 def write_artifacts(out: Path, key: dict[str, Any], artifacts: dict[str, list[dict[str, Any]]]) -> None:
-    for name, rows in artifacts.items():
-        append_rows(out / f"{name}.csv", key, rows)
+    """`SideTables(out).append(key, artifacts)` (opens and validates the tables each call)."""
+    SideTables(out).append(key, artifacts)

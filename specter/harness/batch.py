@@ -23,9 +23,7 @@ the tier's budget is refused with the largest B that would fit; the other sizes 
 
 from __future__ import annotations
 
-import csv
 import math
-import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -39,9 +37,11 @@ from specter.harness.datasets import expand_datasets, load_prompt_set
 from specter.harness.methods import Method, build_method
 from specter.harness.output import check_weights, run_folder, write_environment
 from specter.harness.records import RecordWriter, record_key, text_digest, token_digest
+from specter.harness.rowstore import RowStore, RowStoreError, Schema, read_frame, read_table
 from specter.harness.run import _tokenize, provenance_of, record_seed
 from specter.harness.runtime import device_and_dtype, model_checkpoint
 from specter.offload.budget import MB, Footprint
+from specter.paths import atomic_write_text
 from specter.speculative.batched import BatchRun
 from specter.speculative.sampling import make_generator
 
@@ -107,38 +107,29 @@ def refusal(method: Method, B: int) -> str | None:
 
 
 # ---------------------------------------------------------------------------------- batch.csv
+BATCH_TEXT = frozenset({"method", "model", "memory", "dataset", "hardware"})
+BATCH_SCHEMA = Schema(
+    "batch", BATCH_COLUMNS, ("dataset", "repeat"), text=BATCH_TEXT,
+    integers=frozenset({"batch_size", "repeat", "requests", "batches", "new_tokens", "iterations"}),
+    required=("method", "model", "memory", "batch_size", "dataset", "repeat", "requests", "batches", "new_tokens",
+              "wall_s"),
+)
+
+
 class BatchTable:
-    """Appends rows to a batch.csv (one line each, fsynced); knows which (dataset, repeat) are done."""
+    """batch.csv through the validated row store (specter/harness/rowstore.py): one fsynced line per
+    (dataset, repeat), cut back on a failed write; torn or invalid rows set aside and measured again."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.done: set[tuple[str, str]] = set()
-        if self.path.exists() and self.path.stat().st_size:
-            with self.path.open(newline="") as f:
-                reader = csv.DictReader(f)
-                if tuple(reader.fieldnames or ()) != BATCH_COLUMNS:
-                    raise ConfigError(f"{self.path} has columns {reader.fieldnames}, not this version's; "
-                                      "use a new output_dir")
-                self.done = {(r["dataset"], r["repeat"]) for r in reader}
-        else:
-            self._write(",".join(BATCH_COLUMNS) + "\n", "w")
+        self.store = RowStore(self.path, BATCH_SCHEMA)
+        self.done: set[tuple[str, str]] = self.store.keys
 
     def is_done(self, dataset: str, repeat: int) -> bool:
         return (dataset, str(repeat)) in self.done
 
     def append(self, row: dict[str, Any]) -> None:
-        unknown = set(row) - set(BATCH_COLUMNS)
-        if unknown:
-            raise KeyError(f"unknown batch columns: {sorted(unknown)}")
-        line = ",".join("" if row.get(c) is None else str(row[c]) for c in BATCH_COLUMNS) + "\n"
-        self._write(line, "a")
-        self.done.add((str(row["dataset"]), str(row["repeat"])))
-
-    def _write(self, text: str, mode: str) -> None:
-        with self.path.open(mode, newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        self.store.append(row, what="a batch row")
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -221,11 +212,14 @@ def run_batch(cfg: DictConfig) -> Path:
 
 
 def _finished(path: Path, dataset: str, repeat: int) -> bool:
-    """Whether a size's batch.csv already holds (dataset, repeat); read only (no lock needed)."""
+    """Whether a size's batch.csv already holds a valid (dataset, repeat) row; read only (no lock needed)."""
     if not path.exists():
         return False
-    with path.open(newline="") as f:
-        return any(r.get("dataset") == dataset and r.get("repeat") == str(repeat) for r in csv.DictReader(f))
+    try:
+        rows = read_table(path, BATCH_SCHEMA, warn=lambda msg: None, exact=True).values()
+    except RowStoreError:
+        return False  # another schema: refused with its message when the size's folder opens
+    return any(r["dataset"] == dataset and r["repeat"] == str(repeat) for r in rows)
 
 
 def _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo: dict[int, list[tuple[str, int]]]) -> dict[int, str]:
@@ -319,7 +313,7 @@ def _summarize(root: Path, sizes: list[int], status: dict[int, str], base: dict[
     for B in sizes:
         path = root / f"B={B}" / "batch.csv"
         if path.exists() and path.stat().st_size:
-            df = pd.read_csv(path)
+            df = read_frame(path, BATCH_SCHEMA, exact=True)
             if not df.empty:
                 frames.append(df.assign(status="measured"))
         elif status.get(B, "").startswith("refused"):
@@ -329,7 +323,10 @@ def _summarize(root: Path, sizes: list[int], status: dict[int, str], base: dict[
         print(f"{root}: no batch size could run")
         return root
     table = pd.concat(frames, ignore_index=True)
-    table.to_csv(root / "batch_summary.csv", index=False)
+    try:
+        atomic_write_text(root / "batch_summary.csv", table.to_csv(index=False))
+    except OSError as err:
+        raise RowStoreError(f"cannot write {root / 'batch_summary.csv'} ({err.strerror or err})") from None
     shown = [c for c in ("method", "model", "memory", "dataset", "batch_size", "tpot_median_ms", "tpot_p90_ms",
                          "throughput_tok_s", "distinct_experts_per_layer", "h2d_bytes_per_token", "acceptance", "status")
              if c in table.columns]

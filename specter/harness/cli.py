@@ -17,7 +17,7 @@ DEFAULT_JOB = ("experiment=compare",)
 def main(argv: list[str]) -> int:
     """0 on success; 2 with one line on stderr for a user error; 130 when interrupted."""
     from specter.harness.compose import compose
-    from specter.harness.errors import USER_ERRORS, composition_error, report
+    from specter.harness.errors import USER_ERRORS, composition_error, disk_error, report
     from specter.harness.experiments import run_experiment
 
     if not argv:  # the default job: the comparison the project exists for
@@ -36,6 +36,12 @@ def main(argv: list[str]) -> int:
     except USER_ERRORS as err:
         report(err)
         return 2
+    except OSError as err:
+        user = disk_error(err)
+        if user is None:
+            raise
+        report(user)
+        return 2
     except KeyboardInterrupt:
         print("specter: interrupted; finished records are kept (rerun the same command to resume)", file=sys.stderr)
         return 130
@@ -48,9 +54,11 @@ def check_optional_groups(argv: list[str]) -> None:
     from specter.harness.compose import CONF_DIR
 
     for arg in argv:
-        group, eq, option = arg.lstrip("+").partition("=")
+        group, eq, value = arg.lstrip("+").partition("=")
         folder = CONF_DIR / group
-        if eq and "." not in group and folder.is_dir() and option not in ("null", ""):
-            options = sorted(p.stem for p in folder.glob("*.yaml"))
-            if option not in options:
+        if not (eq and "." not in group and folder.is_dir()) or "(" in value:  # sweep functions: Hydra checks
+            continue
+        options = sorted(p.stem for p in folder.glob("*.yaml"))
+        for option in value.split(","):  # a multirun sweep (-m group=a,b) lists several
+            if option not in ("null", "") and option not in options:
                 raise ConfigError(f"unknown {group}={option!r}; choose one of {options}")

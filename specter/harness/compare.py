@@ -14,6 +14,8 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specter.harness.config import ConfigError
+from specter.harness.records import read_records
+from specter.paths import safe_name, write_table
 
 DEFAULT_METHODS = ("target_only", "offload_ar", "specter")
 
@@ -75,15 +77,16 @@ def compare(cfg: DictConfig) -> Path:
     methods = list(cfg.compare.get("methods") or DEFAULT_METHODS)
     if not methods:
         raise ConfigError("compare.methods is empty")
+    for method in methods:  # each becomes a folder name under output_dir
+        safe_name(method, "compare.methods entry")
     root = Path(cfg.output_dir)
     frames = []
     for method in methods:
         print(f"\n== {method} ==", flush=True)
         out = run(method_config(cfg, method))
-        frames.append(pd.read_csv(out / "records.csv"))
+        frames.append(read_records(out / "records.csv"))
     table = comparison_table(pd.concat(frames, ignore_index=True))
-    root.mkdir(parents=True, exist_ok=True)
-    table.to_csv(root / "compare.csv", index=False)
+    write_table(root / "compare.csv", table)
     print_comparison(table, title=f"{cfg.model.name} at memory={cfg.memory.name}, hardware={cfg.hardware.name} "
                                   f"({root / 'compare.csv'})")
     return root

@@ -91,6 +91,71 @@ def validate(cfg: DictConfig) -> None:
         _int(cfg, "method.calibration_prompts", 1)
     if cfg.verify_lossless and cfg.temperature > 0:
         raise ConfigError("verify_lossless compares against greedy target-only decoding: it needs temperature=0")
+    _names(cfg)
+    _method_values(cfg)
+    from specter.harness.runners import runner_problem
+
+    problem = runner_problem(m.name, m.get("runner"))
+    _require(problem is None, problem or "")
+
+
+def _names(cfg: DictConfig) -> None:
+    """Configured names that become file or folder names (caches, run folders) obey one rule."""
+    from specter.paths import UnsafeName, safe_name
+
+    try:
+        for group in ("model", "method", "memory", "hardware"):
+            safe_name(cfg[group].get("name"), f"{group}.name")
+        for method in (cfg.get("compare") or {}).get("methods") or ():
+            safe_name(method, "compare.methods entry")
+    except UnsafeName as err:
+        raise ConfigError(str(err)) from None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _method_values(cfg: DictConfig) -> None:
+    """Method settings with a range, checked before anything loads."""
+    import dataclasses
+
+    from specter.predict.planner import PlannerConfig
+
+    m = cfg.method
+    tol = cfg.get("lossless_tie_tolerance", 0.0)
+    _require(_number(tol) and tol >= 0, f"lossless_tie_tolerance must be a number >= 0, got {tol!r}")
+    planner = m.get("planner")
+    if planner:
+        known = {f.name for f in dataclasses.fields(PlannerConfig)}
+        unknown = sorted(set(planner) - known)
+        _require(not unknown, f"unknown method.planner key(s) {unknown}; choose from {sorted(known)}")
+        bad = [k for k, v in planner.items() if not _number(v)]
+        _require(not bad, f"method.planner.{bad[0] if bad else ''} must be a number")
+        try:
+            PlannerConfig(**{k: float(v) for k, v in planner.items()})
+        except ValueError as err:
+            raise ConfigError(f"method.planner: {err}") from None
+    if m.get("staging_per_layer") is not None:
+        v = m.staging_per_layer
+        _require(_number(v) and v >= 0, f"method.staging_per_layer must be a number >= 0, got {v!r}")
+    if m.get("staging_buffers") is not None:
+        _int(cfg, "method.staging_buffers", 0)
+    residents = m.get("residents")
+    if isinstance(residents, DictConfig):
+        for tier, n in residents.items():
+            _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+                     f"method.residents.{tier} must be an integer >= 1, got {n!r}")
+    elif residents is not None:
+        _int(cfg, "method.residents", 1)
+    for key, minimum in (("n_batch", 1), ("n_threads", 1)):
+        if m.get(key) is not None:
+            _int(cfg, f"method.{key}", minimum)
+    if m.get("experts_implementation") is not None:
+        _choice("method.experts_implementation", m.experts_implementation, ("eager", "batched_mm", "grouped_mm"))
+    if m.get("startup_timeout_s") is not None:
+        v = m.startup_timeout_s
+        _require(_number(v) and v > 0, f"method.startup_timeout_s must be > 0, got {v!r}")
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:

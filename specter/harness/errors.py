@@ -6,6 +6,7 @@ condenses Hydra's multi-line composition errors (a wrong type, an unknown option
 
 from __future__ import annotations
 
+import errno
 import sys
 
 from specter.harness.config import ConfigError
@@ -14,12 +15,26 @@ from specter.models.loading import WeightError
 from specter.models.registry import ModelUnavailable
 from specter.offload.budget import BudgetError
 from specter.offload.calibrate import CalibrationError
+from specter.paths import PathError
 from specter.quant.calibration import CorruptDraft
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, ModelUnavailable, BudgetError, DatasetUnavailable, DatasetFormatError, CorruptDraft, WeightError,
-    CalibrationError,
+    CalibrationError, PathError,
 )
+
+# A full disk or quota under $SPECTER_HOME or the output folder, wherever it strikes (building a tiny
+# model, a draft, a calibration, a GGUF export): one line naming the file, never a traceback.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def disk_error(err: OSError) -> ConfigError | None:
+    """A full or read-only disk as one user error (None for any other OSError: a bug to report)."""
+    if err.errno not in DISK_ERRNOS:
+        return None
+    where = f" writing {err.filename}" if err.filename else ""
+    return ConfigError(f"{err.strerror or err}{where}; free space (or make it writable) and rerun the same "
+                       "command: finished records and cached builds are kept")
 
 __all__ = ["USER_ERRORS", "BudgetError", "ConfigError", "composition_error", "report"]
 

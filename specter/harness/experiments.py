@@ -39,8 +39,15 @@ def _load_ratio_sweep(cfg: DictConfig):
     return load_ratio_sweep(cfg)
 
 
+def _plan(cfg: DictConfig):
+    from specter.harness.plan import run_plan  # config arithmetic only: no weights, no device
+
+    return run_plan(cfg)
+
+
 EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep, "compare": _compare,
-                                                          "batch": _batch, "load_ratio_sweep": _load_ratio_sweep}
+                                                          "batch": _batch, "plan": _plan,
+                                                          "load_ratio_sweep": _load_ratio_sweep}
 
 
 def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:

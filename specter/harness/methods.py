@@ -2,8 +2,9 @@
 
 A method owns its model instance. `generate` is timed by the caller's commit clock; `reset`
 runs between measured records, outside timing (restoring the expert cache and planner state).
-Which class runs a `method=` is named by its config file (`runner: module:Class`), so a new
-method is a config file plus a class: nothing here lists them.
+Which class runs a `method=` is named by its config file (`runner: module:Class`), resolved only
+from the registry of known methods (specter/harness/runners.py): a config never imports arbitrary
+code. A new method is a config file, a class and one registry line.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, effective_K
+from specter.harness.runners import runner_problem
 from specter.harness.runtime import build_runtime, device_and_dtype, gptq_draft_for, resize_cache
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats
@@ -81,15 +83,18 @@ class Method:
 
 
 def build_method(cfg: DictConfig, checkpoint: Path) -> Method:
-    """Instantiate the class named by `method.runner` ("package.module:Class")."""
+    """Instantiate the known method class named by `method.runner` ("package.module:Class")."""
     runner = cfg.method.get("runner")
-    if not runner or ":" not in str(runner):
-        raise ConfigError(f"method {cfg.method.name!r} names no runner (expected `runner: package.module:Class`)")
+    problem = runner_problem(cfg.method.name, runner)
+    if problem:
+        raise ConfigError(problem)
     module, _, cls = str(runner).partition(":")
     try:
         factory = getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"method {cfg.method.name!r}: cannot load runner {runner} ({err})") from None
+    if not (isinstance(factory, type) and issubclass(factory, Method)):
+        raise ConfigError(f"method {cfg.method.name!r}: runner {runner} is not a Method class")
     return factory(cfg, checkpoint)
 
 

@@ -2,8 +2,10 @@
 
 A run holds an exclusive lock on its folder (`.specter.lock`, holding the writer's pid) for its
 whole lifetime, so two runs never interleave records; the lock dies with the process, so a
-killed run never leaves the folder locked. Everything but records.csv is written atomically
-(temp file, fsync, rename).
+killed run never leaves the folder locked. The lock is taken before any other check, so a second
+run is always refused naming the first one's pid. Row tables (records.csv, batch.csv, routes.csv,
+trace.csv) are appended through the validated row store (specter/harness/rowstore.py); every
+other file is written atomically (temp file, fsync, rename).
 
 Resuming is allowed only for the same run: the same configuration (`config.yaml`, up to
 `VOLATILE_KEYS`), the same prompts (`provenance.json`: per dataset the source file, its sha256
@@ -153,31 +155,66 @@ def _check_provenance(out: Path, provenance: dict[str, Any], finished: int) -> N
                 )
 
 
+def _check_prompts(out: Path, prompts: dict[str, list[str]], base: dict[str, str]) -> None:
+    """Finished records must have been measured on the prompts this run would give them (their
+    `prompt_sha256`): checked before anything is written, so a refused start changes nothing."""
+    from specter.harness.records import parse_records, record_key, text_digest
+
+    try:
+        text = (out / "records.csv").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return
+    for _, _, values in parse_records(text)[1]:
+        key = record_key(values)
+        digest = values.get("prompt_sha256", "")
+        if not digest or (base and tuple(key[:3]) != (base.get("method"), base.get("model"), base.get("memory"))):
+            continue
+        ds, i = key[3], int(key[4])
+        texts = prompts.get(ds)
+        if texts is not None and i < len(texts) and text_digest(texts[i]) != digest:
+            raise ConfigError(f"{out}: the finished record for {ds} prompt {i} was measured on another prompt "
+                              f"(prompt_sha256 {digest[:12]}, now {text_digest(texts[i])[:12]}); resuming would "
+                              "mix two prompt sets: use the original assets_dir, or another output_dir")
+
+
 @contextmanager
 def run_folder(cfg: DictConfig, provenance: dict[str, Any] | None = None,
-               note: Callable[[str], None] | None = None) -> Iterator[Path]:
+               note: Callable[[str], None] | None = None,
+               prompts: dict[str, list[str]] | None = None) -> Iterator[Path]:
     """Create or reopen `output_dir`, locked for the duration of the `with` block.
 
-    Checks that a folder with finished records holds this same run (configuration, prompts), then
-    writes `config.yaml` and `provenance.json` atomically.
+    Order: take the lock (a second run is refused naming the holder's pid), then check that the
+    folder is a Specter run folder, and that one with finished records holds this same run
+    (configuration, prompt files, and, given `prompts`, each finished record's prompt). Only when
+    every check passed are `config.yaml` and `provenance.json` written, atomically: a refused
+    start leaves the folder exactly as it was.
     """
     note = note or (lambda msg: print(f"specter: {msg}", file=sys.stderr, flush=True))
     out = Path(cfg.output_dir)
     try:
         if out.exists() and not out.is_dir():
             raise OutputError(f"cannot use output_dir={out}: it is a file, not a folder")
-        if out.exists() and not (out / "config.yaml").exists() and any(
-                p.name != LOCK_NAME for p in out.iterdir()):
-            raise OutputError(f"{out} exists, is not empty and holds no Specter run: choose another output_dir")
         out.mkdir(parents=True, exist_ok=True)
+        had_lock = (out / LOCK_NAME).exists()
     except OSError as err:
         raise _os_error(out, err) from None
     fd = _lock(out)
     try:
+        try:
+            foreign = not (out / "config.yaml").exists() and any(p.name != LOCK_NAME for p in out.iterdir())
+        except OSError as err:
+            raise _os_error(out, err) from None
+        if foreign:
+            if not had_lock:
+                (out / LOCK_NAME).unlink(missing_ok=True)
+            raise OutputError(f"{out} exists, is not empty and holds no Specter run: choose another output_dir")
         finished = finished_records(out)
         _check_config(out, cfg, finished, note)
         provenance = dict(provenance or {})
         _check_provenance(out, provenance, finished)
+        if finished and prompts is not None:
+            base = {k: str(OmegaConf.select(cfg, f"{k}.name")) for k in ("method", "model", "memory")}
+            _check_prompts(out, prompts, base)
         try:
             atomic_write_text(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
             if provenance:

@@ -16,6 +16,8 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.config import ConfigError
+from specter.harness.records import read_records
+from specter.paths import atomic_write_text, write_table
 
 
 def sweep_values(cfg: DictConfig) -> list[int]:
@@ -41,7 +43,7 @@ def profile_k(cfg: DictConfig) -> Path:
     for K in sweep_values(cfg):
         sub = OmegaConf.merge(cfg, {"K": K, "output_dir": str(root / f"K={K}"), "experiment": "run"})
         out = run(sub)
-        rec = pd.read_csv(out / "records.csv")
+        rec = read_records(out / "records.csv")
         rows.append({
             "K": K, "records": len(rec),
             "mean_tpot_ms": rec.tpot_ms.mean(), "median_tpot_ms": rec.tpot_ms.median(),
@@ -51,7 +53,7 @@ def profile_k(cfg: DictConfig) -> Path:
             "h2d_mb_per_token": (rec.h2d_bytes / rec.new_tokens).mean() / 1e6,
         })
     table = pd.DataFrame(rows)
-    table.to_csv(root / "k_sweep.csv", index=False)
+    write_table(root / "k_sweep.csv", table)
     best = table.loc[table.K == choose_K(table)].iloc[0]
     alpha = float(best.acceptance_alpha)  # α at the chosen K (α differs across K; never averaged over them)
     profile = {
@@ -60,7 +62,10 @@ def profile_k(cfg: DictConfig) -> Path:
         "acceptance_alpha": alpha, "expected_accepted_run": alpha / (1 - alpha) if alpha < 1 else None,
         "swept": [int(k) for k in table.K],
     }
-    (root / "k_profile.json").write_text(json.dumps(profile, indent=1))
+    try:
+        atomic_write_text(root / "k_profile.json", json.dumps(profile, indent=1))
+    except OSError as err:
+        raise ConfigError(f"cannot write {root / 'k_profile.json'} ({err.strerror or err})") from None
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"chosen K = {profile['K']} (lowest mean TPOT) -> {root / 'k_profile.json'}")
     return root

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from specter.harness.artifacts import write_artifacts
+from specter.harness.artifacts import SideTables
 from specter.harness.config import ConfigError, resident_experts, validate
 from specter.harness.datasets import DatasetFormatError, PromptSet, expand_datasets, load_prompt_set
 from specter.harness.load_ratio import run_load_ratios
@@ -56,7 +56,7 @@ def run(cfg: DictConfig) -> Path:
     prompts = {ds: ps.texts for ds, ps in prompt_sets.items()}
     checkpoint = model_checkpoint(cfg)
     prompt_ids = _tokenize(cfg, checkpoint, prompt_sets)
-    with run_folder(cfg, provenance_of(prompt_sets)) as out:
+    with run_folder(cfg, provenance_of(prompt_sets), prompts=prompts) as out:
         writer = RecordWriter(out / "records.csv")
         base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
         _check_finished_prompts(out, writer, base, prompts)
@@ -126,6 +126,7 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
             method.warmed()
         ratios = run_load_ratios(cfg, checkpoint, method)  # each record's effective load ratio (load_ratio.py)
         static = {"hardware": cfg.hardware.name, "prefix_tokens": cfg.prefix_tokens, **method.static_fields()}
+        side = SideTables(out)
         for ds, i, r in tqdm(todo, desc=f"{cfg.method.name}/{cfg.model.name}", disable=not cfg.progress, unit="rec"):
             ids = encode(ds, i)
             seed = record_seed(cfg.seed, ds, i, r)
@@ -139,7 +140,7 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
                 "output_digest": token_digest(gen.tokens), "seed": seed,
                 **ratios.columns(f"{cfg.method.name}/{cfg.model.name} {ds} prompt {i} repeat {r}"),
             }
+            side.append({"dataset": ds, "prompt_index": i, "repeat": r}, gen.artifacts)  # before its record
             writer.append(row)
-            write_artifacts(out, {"dataset": ds, "prompt_index": i, "repeat": r}, gen.artifacts)
     finally:
         method.close()

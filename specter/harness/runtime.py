@@ -16,14 +16,14 @@ from omegaconf import DictConfig
 from specter.harness.config import ConfigError, resident_experts
 from specter.harness.load_ratio import probe_model
 from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
-from specter.models.registry import checkpoint_digest, resolve_checkpoint
+from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
 from specter.moe import MoERuntime
 from specter.offload.budget import Footprint, kv_bytes_per_token
 from specter.offload.cache import ExpertCache
 from specter.offload.calibrate import LinkParams, calibrated_link, fixed_link, measure_layer_step
 from specter.offload.link import make_link
 from specter.offload.runtime import Runtime
-from specter.paths import specter_home
+from specter.paths import safe_name, specter_home
 
 GB = 1e9
 
@@ -31,8 +31,12 @@ GB = 1e9
 def model_checkpoint(cfg: DictConfig) -> Path:
     """The checkpoint folder of the configured model (built on first use for tiny models)."""
     m = cfg.model
-    return resolve_checkpoint(m.name, m.source, trained=bool(m.get("trained")), local_dir=m.get("local_dir"),
+    path = resolve_checkpoint(m.name, m.source, trained=bool(m.get("trained")), local_dir=m.get("local_dir"),
                               hf_id=m.get("hf_id"), revision=m.get("revision"))
+    problem = checkpoint_problem(path, m.name, m.get("real"), offloads="schedule" in cfg.method)
+    if problem:
+        raise ModelUnavailable(problem)
+    return path
 
 
 def device_and_dtype(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
@@ -53,7 +57,7 @@ def link_params(cfg: DictConfig, checkpoint: Path, expert_bytes: int, digest: st
     if hw.get("bandwidth_gbps"):
         return fixed_link(expert_bytes, hw.bandwidth_gbps, hw.get("latency_us"))
     device, dtype = device_and_dtype(cfg)
-    key = f"{cfg.model.name}-{digest[:12]}-{hw.dtype}-t{torch.get_num_threads()}"
+    key = f"{safe_name(cfg.model.name, 'model.name')}-{digest[:12]}-{hw.dtype}-t{torch.get_num_threads()}"
     path = specter_home() / "calibration" / f"{key}.json"
     params = calibrated_link(expert_bytes, float(cfg.model.load_ratio), path,
                              lambda: measure_layer_step(probe_model(checkpoint, dtype, device)),
@@ -172,7 +176,7 @@ def gptq_draft_for(cfg: DictConfig, rt: Runtime, checkpoint: Path, group_size: i
     if n < 1:
         raise ConfigError(f"method.calibration_prompts must be >= 1, got {n}")
     batches = calibration_batches(cfg, AutoTokenizer.from_pretrained(checkpoint), rt.cache.device, n)
-    path = (specter_home() / "drafts" / f"{cfg.model.name}-{rt.weights_digest[:12]}"
+    path = (specter_home() / "drafts" / f"{safe_name(cfg.model.name, 'model.name')}-{rt.weights_digest[:12]}"
             / f"gptq-gs{group_size}-{calibration_digest(batches)[:12]}.safetensors")
     t = time.perf_counter()
     layers, info = gptq_draft(rt, batches, path, group_size)

@@ -64,6 +64,7 @@ class HardwareConfig:
     load_ratio_tolerance: float = 0.25  # a record whose effective load ratio is off the configured one by more (relative) is flagged
     ratio_probe_steps: int = 12  # decode steps of the in-run layer-step probe around each record (0: no probe)
     draft_kernel: str = "auto"  # INT4 draft MoE kernel on CUDA: auto | triton | marlin | torch
+    gpu_memory_gb: Optional[float] = None  # experiment=plan: the GPU's memory in GB (null = an A100 40 GB)
 
 
 @dataclass
@@ -122,7 +123,7 @@ class RunConfig:
     dataset: DatasetConfig = MISSING
     method: Any = MISSING  # each method file extends a MethodConfig subclass
     hardware: HardwareConfig = MISSING
-    experiment: str = "run"  # run | k_sweep | batch | compare: what `python run.py` does
+    experiment: str = "run"  # run | k_sweep | batch | compare | plan: what `python run.py` does
     num_prompts: int = 5
     repeats: int = 1
     max_new_tokens: int = 128

@@ -263,6 +263,13 @@ class Int4mmWeights:
         return sum(t.numel() * t.element_size() for t in (self.gate_up, self.gate_up_sz, self.down, self.down_sz))
 
 
+def int4mm_nbytes(experts: int, out_features: int, in_features: int, group_size: int, dtype: torch.dtype) -> int:
+    """What `Int4mmWeights.nbytes` counts for one projection of these shapes: codes [E, N, K/2] uint8 plus
+    scales-and-zeros [E, K/gs, N, 2] in `dtype`."""
+    itemsize = torch.finfo(dtype).bits // 8
+    return experts * out_features * (in_features // 2 + in_features // group_size * 2 * itemsize)
+
+
 def _to_int4pack(packed: Int4Experts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     codes = unpack_codes(packed.qweight).to(torch.int32)  # [E, N, K]
     w = torch.stack([torch._convert_weight_to_int4pack_for_cpu(c.contiguous(), 2) for c in codes])  # [E, N, K/2]

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from specter.models.arch import MoEArch, arch_for, moe_blocks
+from specter.models.compat import accept_cache_argument
 from specter.moe import SpecterExperts
 from specter.offload.store import ExpertLayout, ExpertUID, HostExpertStore, IncompleteStore
 
@@ -28,7 +29,7 @@ def load_full_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, experts_implementation="eager")
-    return model.to(device).eval()
+    return accept_cache_argument(model.to(device).eval())
 
 
 class WeightError(RuntimeError):
@@ -59,24 +60,37 @@ def _safetensors_files(checkpoint: Path) -> list[Path]:
     return files
 
 
-def load_offloaded(
-    checkpoint: Path, device: torch.device, dtype: torch.dtype, pin_memory: bool = False
-) -> OffloadedModel:
+def offloaded_skeleton(config, dtype: torch.dtype) -> tuple[torch.nn.Module, ExpertLayout, int, dict[int, SpecterExperts]]:
+    """The model as `load_offloaded` builds it before reading weights: parameters on the meta device
+    (shapes and dtypes only, no memory), buffers real, each MoE block's routed experts swapped for
+    `SpecterExperts`. Returns (model, one expert's layout, routed experts per layer, layer -> experts).
+    Also what the memory plan counts, so both read the same tensors."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(checkpoint)
-    arch = arch_for(config.model_type)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) real
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager")
+        model = accept_cache_argument(AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                                       experts_implementation="eager"))
     blocks = moe_blocks(model)
     first = next(iter(blocks.values())).experts
-    E, two_i, H = first.gate_up_proj.shape
-    store = HostExpertStore(ExpertLayout(H, two_i // 2, dtype), sorted(blocks), E, pin_memory=pin_memory)
+    E, two_i, H = first.gate_up_proj.shape  # [E, 2I, H]
     experts = {}
     for layer, block in blocks.items():
         experts[layer] = SpecterExperts(layer, block.experts.act_fn)
         block.experts = experts[layer]
+    return model, ExpertLayout(H, two_i // 2, dtype), E, experts
+
+
+def load_offloaded(
+    checkpoint: Path, device: torch.device, dtype: torch.dtype, pin_memory: bool = False
+) -> OffloadedModel:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    arch = arch_for(config.model_type)
+    model, layout, E, experts = offloaded_skeleton(config, dtype)
+    blocks = moe_blocks(model)
+    store = HostExpertStore(layout, sorted(blocks), E, pin_memory=pin_memory)
 
     expected = {k: v for k, v in model.state_dict().items()}  # meta tensors: shapes and dtypes
     state: dict[str, torch.Tensor] = {}
@@ -115,10 +129,14 @@ def load_offloaded(
 
 
 def non_expert_bytes(model: torch.nn.Module) -> int:
-    """Device bytes of every parameter and buffer (routed experts are not parameters here)."""
+    """Device bytes of every parameter and buffer (routed experts are not parameters here).
+
+    Shared tensors count once: by storage on a real device, by object on the meta device (where
+    every tensor reports the same null address), so a meta skeleton counts what a loaded model holds."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        key = ("object", id(t)) if t.device.type == "meta" else ("storage", t.data_ptr())
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total

@@ -85,30 +85,70 @@ def ensure_trained(name: str, root: Path | None = None, progress: bool = True) -
 def checkpoint_digest(checkpoint: Path) -> str:
     """sha256 over the checkpoint's weight files (name and content), in name order.
 
-    Caches that depend on the weights (the GPTQ draft, the link calibration) are keyed by it, so
-    retrained or replaced weights never reuse a stale artifact. Each file's hash is remembered in
-    `.specter-digest.json` beside it, keyed by size and mtime, so large checkpoints hash once.
+    Caches that depend on the weights (the GPTQ draft, the link calibration, the GGUF export) are
+    keyed by it, so retrained or replaced weights never reuse a stale artifact. Each file's hash is
+    remembered in `.specter-digest.json` beside it (`specter.paths.content_sha256`: keyed by size,
+    mtime, ctime and inode, so an in-place change is always seen), so large checkpoints hash once.
     """
+    from specter.paths import content_sha256, load_digest_memo, save_digest_memo
+
     checkpoint = Path(checkpoint)
-    memo_path = checkpoint / ".specter-digest.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
+    memo = load_digest_memo(checkpoint)
     h, changed = hashlib.sha256(), False
     for f in sorted(checkpoint.glob("*.safetensors")):
-        st = f.stat()
-        stamp = f"{st.st_size}:{st.st_mtime_ns}"
-        entry = memo.get(f.name)
-        if not entry or entry.get("stamp") != stamp:
-            entry, changed = {"stamp": stamp, "sha256": file_sha256(f)}, True
-            memo[f.name] = entry
-        h.update(f"{f.name}|{entry['sha256']}|".encode())
+        digest, updated = content_sha256(f, memo)
+        changed |= updated
+        h.update(f"{f.name}|{digest}|".encode())
     if changed:
-        try:
-            from specter.paths import atomic_write_text
-
-            atomic_write_text(memo_path, json.dumps(memo, indent=1))
-        except OSError:  # a read-only checkpoint folder: hash again next time
-            pass
+        save_digest_memo(checkpoint, memo)
     return h.hexdigest()
+
+
+# The transformers model_type of each real model's checkpoint (tiny models mirror theirs: `model.real`).
+MODEL_TYPES = {"dsv2": "deepseek_v2", "qwen15moe": "qwen2_moe", "phi35moe": "phimoe"}
+
+
+def checkpoint_problem(checkpoint: Path, model: str, real: str | None = None, offloads: bool = True) -> str | None:
+    """Why `checkpoint` cannot be run as `model` (its config.json, architecture or weight files), or None.
+
+    Reads config.json and every safetensors header (not the tensors): a truncated or corrupt file,
+    another architecture than the model's (a Llama or Qwen checkpoint as model=dsv2) or a model
+    without routed experts under an offloading method is refused before anything loads."""
+    from specter.models.arch import ARCHS
+
+    checkpoint = Path(checkpoint)
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        return f"{checkpoint / 'config.json'} cannot be read ({err})"
+    model_type = config.get("model_type")
+    expected = MODEL_TYPES.get(real or model)
+    if expected and model_type != expected:
+        return (f"{checkpoint} holds a {model_type!r} model, not {model}'s architecture ({expected!r}); "
+                "point model.local_dir at the right checkpoint or choose the matching model=")
+    if offloads and model_type not in ARCHS:
+        return (f"{checkpoint} holds a {model_type!r} model, which has no routed experts to offload (supported: "
+                f"{sorted(ARCHS)})")
+    from safetensors import safe_open
+
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                names = list(st.keys())
+            size, end = f.stat().st_size, _safetensors_end(f)
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+            return f"{f} is truncated or corrupt: it cannot be read as safetensors ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        if not names or size != end:
+            return f"{f} is truncated or corrupt (its header describes {end} bytes, the file has {size})"
+    return None
+
+
+def _safetensors_end(path: Path) -> int:
+    """The file size a safetensors file's header describes (8-byte length, JSON header, data)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    return 8 + n + max(ends, default=0)

@@ -125,6 +125,17 @@ TINY_WEIGHT_SHA256: dict[str, str] = json.loads(
 ) if Path(__file__).with_name("tiny_checksums.json").exists() else {}
 
 
+def cpu_kind() -> str:
+    """The CPU kernel family torch runs here (DEFAULT, AVX2, AVX512, ...): training's float results,
+    and so a trained model's bytes, depend on it."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def trained_pin(name: str) -> str | None:
+    """The pinned digest of `name`'s trained weights for this CPU kind (`<name>-trained@<kind>`), if any."""
+    return TINY_WEIGHT_SHA256.get(f"{name}-trained@{cpu_kind()}")
+
+
 def tiny_dimension(name: str, key: str) -> int:
     """A tiny model's dimension as the run config names it (`num_experts`, `top_k`, `context_length`):
     the one source the model configs read through the `${tiny:<name>,<key>}` resolver."""

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 import torch
 
-from specter.kernels.draft_moe import DequantWorkspace, Int4mmWeights, choose_backend, draft_moe_fused, prepare_int4mm
-from specter.quant.int4 import Int4ExpertLayer, default_group_size, quantize_rtn
+from specter.kernels.draft_moe import (DequantWorkspace, Int4mmWeights, choose_backend, draft_moe_fused, int4mm_nbytes,
+                                      prepare_int4mm)
+from specter.quant.int4 import Int4ExpertLayer, default_group_size, packed_nbytes, quantize_rtn
 
 QUANT_METHODS = ("rtn", "gptq")
 
@@ -63,6 +64,19 @@ def quantize_layer_rtn(gate_up: torch.Tensor, down: torch.Tensor, group_size: in
     gs_gu = default_group_size(gate_up.shape[-1], group_size)
     gs_dn = default_group_size(down.shape[-1], group_size)
     return Int4ExpertLayer(quantize_rtn(gate_up, gs_gu), quantize_rtn(down, gs_dn))
+
+
+def draft_layer_nbytes(experts: int, hidden: int, inter: int, device_type: str, dtype: torch.dtype,
+                       group_size: int = 128, kernel: str = "torch") -> int:
+    """Device bytes `build_draft` keeps for one MoE layer of these shapes (`DraftExperts.nbytes`), without
+    quantizing: the int4mm layout on the CPU, the packed INT4 layout (fp16 scales) for the triton and
+    torch kernels on a GPU. Marlin's repacked layout is not modelled (ValueError)."""
+    gs_gu, gs_dn = default_group_size(hidden, group_size), default_group_size(inter, group_size)
+    if device_type == "cpu":
+        return int4mm_nbytes(experts, 2 * inter, hidden, gs_gu, dtype) + int4mm_nbytes(experts, hidden, inter, gs_dn, dtype)
+    if kernel == "marlin":
+        raise ValueError("the Marlin draft layout's bytes are not modelled; plan with draft_kernel=triton or torch")
+    return packed_nbytes(experts, 2 * inter, hidden, gs_gu) + packed_nbytes(experts, hidden, inter, gs_dn)
 
 
 def build_draft(om, quant: str, device: torch.device, dtype: torch.dtype, group_size: int = 128,

@@ -93,6 +93,12 @@ class Int4ExpertLayer:
         return tuple(sorted(set(self.gate_up.rtn_fallback_experts) | set(self.down.rtn_fallback_experts)))
 
 
+def packed_nbytes(experts: int, out_features: int, in_features: int, group_size: int, scale_itemsize: int = 2) -> int:
+    """What `Int4Experts.nbytes` reports for these shapes, without building them: int32 words of 8
+    codes [E, N, K/8] plus one scale per group [E, N, K/gs]."""
+    return experts * out_features * (in_features // PACK * 4 + in_features // group_size * scale_itemsize)
+
+
 def default_group_size(in_features: int, preferred: int = 128) -> int:
     """`preferred` unless the input dim forces a smaller power-of-two group."""
     gs = preferred

@@ -1,0 +1,331 @@
+"""`experiment=plan`: every method's device footprint from the model's config alone, before any weights.
+
+    python run.py model=dsv2 memory=low hardware=cuda experiment=plan
+    python run.py model=phi35moe memory=high hardware=cuda experiment=plan hardware.gpu_memory_gb=80
+    python -m specter.harness.plan                      # all three real models x both tiers
+
+For each method and batch size (`batch.sizes`, default 1..32) it prints the footprint the engine's
+budget check would compute — non-expert weights, expert slots, staging buffers, INT4 draft, KV cache
+and scratch for the protocol's context (`prefix_tokens + max_new_tokens` + the method's K+1) — against
+the tier's budget and the GPU's memory (`hardware.gpu_memory_gb`, default an A100 40 GB), and which
+batch sizes fit. The numbers come from the same functions the engine calls: the meta-device skeleton
+of `load_offloaded`, `scratch_bytes`, `budget_bytes`, `auto_staging`, MO-SM's `same_memory_slots`,
+`draft_layer_nbytes`, llama.cpp's `gpu_layers_for_budget` and vLLM's `cpu_offload_gib`; the KV bytes
+are the config arithmetic that tests check against the engine's one-token measurement. The real
+models' config.json files ship in `specter/models/real_configs/` (a local checkpoint's own
+config.json is used when present). Nothing is allocated: it runs in seconds on any machine.
+
+Not counted: the CUDA context and the allocator's reserve (a few hundred MB on a real GPU); the GPU
+margin printed is what is left for them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from specter.harness.config import ConfigError, effective_K, resident_experts, validate
+from specter.offload.budget import Footprint
+
+GB = 1e9
+A100_40GB = 40.0  # GB: the paper's GPU (the card has 40 GiB; 40e9 bytes leaves ~2.9 GB for the CUDA context)
+OFFLOADING = ("offload_ar", "mo_sc", "mo_sm", "specter", "moe_spec", "specmoeoff")
+ENGINES = ("transformers", "llamacpp", "vllm")
+METHODS = ("target_only", *OFFLOADING, *ENGINES)
+
+
+@dataclass
+class PlanRow:
+    """One method at one batch size: its device bytes by component and whether they fit."""
+
+    method: str
+    batch: int
+    resident: int | None  # expert slots per MoE layer (None: the method places whole layers or everything)
+    staging: int  # staging buffers shared by all layers
+    non_expert: int
+    cache_slots: int  # resident slots + staging buffers
+    draft: int  # INT4 draft experts (+ SpecMoEOff's separate non-expert copy, KV and scratch)
+    kv_cache: int
+    scratch: int
+    total: int
+    budget: int | None  # None: not bound by the tier (target_only: the reference)
+    gpu: int
+    note: str = ""
+    fits_budget: bool = field(init=False)
+    fits_gpu: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fits_budget = self.budget is None or self.total <= self.budget
+        self.fits_gpu = self.total <= self.gpu
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_budget and self.fits_gpu
+
+
+def method_defaults(name: str, cfg: DictConfig) -> DictConfig:
+    """`method=<name>` as composed with no overrides (its schema + conf/method/<name>.yaml), or the run's
+    own method node when it is that method (so `method.staging_buffers=...` etc. apply)."""
+    if cfg.method.name == name:
+        return cfg.method
+    from specter.harness.compose import CONF_DIR
+    from specter.harness.schema import METHOD_SCHEMAS
+
+    data = OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml")
+    schema = "base"
+    for entry in data.pop("defaults", []) or []:
+        if isinstance(entry, str) and entry.startswith("/schema/method/"):
+            schema = entry.removeprefix("/schema/method/").split("@")[0]
+    return OmegaConf.merge(OmegaConf.structured(METHOD_SCHEMAS[schema]), data)
+
+
+def plan_model_config(cfg: DictConfig):
+    """The transformers config of the configured model: a tiny model's own, a local checkpoint's
+    config.json when there is one, else the shipped config.json of the real model."""
+    from specter.models.footprint import load_config, real_config_path
+
+    m = cfg.model
+    if m.source == "tiny":
+        from specter.models.tiny import make_config
+
+        return make_config(m.name)
+    local = Path(str(m.get("local_dir") or ""))
+    if m.get("local_dir") and (local / "config.json").exists():
+        return load_config(local)
+    try:
+        return load_config(real_config_path(m.name))
+    except FileNotFoundError as err:
+        raise ConfigError(f"experiment=plan: {err}") from None
+
+
+def gpu_bytes(cfg: DictConfig) -> int:
+    value = cfg.hardware.get("gpu_memory_gb")
+    value = A100_40GB if value is None else value
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"hardware.gpu_memory_gb must be a positive number of GB, got {value!r}")
+    return int(float(value) * GB)
+
+
+def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, Any]]:
+    """Every method x batch size for the configured model, tier, hardware and protocol."""
+    import torch
+
+    from baselines.llamacpp_engine import gpu_layers_for_budget, kv_bytes_per_token_layer
+    from baselines.mixtral_offloading import same_memory_slots
+    from baselines.specmoeoff import real_expert_count
+    from baselines.vllm_engine import cpu_offload_gib
+    from specter.harness.methods import auto_staging
+    from specter.harness.runtime import budget_bytes, scratch_bytes
+    from specter.models.footprint import model_facts
+    from specter.models.loading import DTYPES
+    from specter.quant.draft import draft_layer_nbytes
+
+    validate(cfg)
+    gpu = gpu_bytes(cfg)
+    M = resident_experts(cfg)
+    hw = cfg.hardware
+    if hw.dtype not in DTYPES:
+        raise ConfigError(f"hardware.dtype={hw.dtype!r} is not one of {sorted(DTYPES)}")
+    dtype = DTYPES[hw.dtype]
+    device_type = torch.device(hw.device).type
+    sizes = [int(b) for b in cfg.batch.sizes]
+    if not sizes or any(b < 1 for b in sizes):
+        raise ConfigError(f"batch.sizes must be integers >= 1, got {list(cfg.batch.sizes)}")
+    config = config if config is not None else plan_model_config(cfg)
+    f = model_facts(config, dtype)
+    L, E, eb = f.moe_layers, f.num_experts, f.expert_bytes
+    if E != int(cfg.model.num_experts):
+        raise ConfigError(f"{cfg.model.name}: the config has {E} routed experts, model.num_experts says {cfg.model.num_experts}")
+    budget = budget_bytes(cfg, f.full_bytes)
+    P, N = int(cfg.prefix_tokens), int(cfg.max_new_tokens)
+    kv_tok = f.kv_bytes_per_token
+    kernel = hw.get("draft_kernel") or "auto"
+    draft = L * draft_layer_nbytes(E, f.hidden, f.expert_inter, device_type, dtype,
+                                   kernel="torch" if kernel in ("auto", "marlin") else kernel)
+
+    def seq(K: int) -> int:
+        return P + N + K + 1
+
+    def scratch(K: int, B: int) -> int:
+        return scratch_bytes(config, K, B, dtype)
+
+    rows: list[PlanRow] = []
+
+    def add(method, B, resident, staging, draft_b, kv, scr, budget_b=budget, note="", non_expert=f.non_expert_bytes,
+            slots=None):
+        slots = (resident or 0) * L * eb + staging * eb if slots is None else slots
+        fp = Footprint(non_expert=non_expert, cache_slots=slots, draft_experts=draft_b, kv_cache=kv, scratch=scr)
+        rows.append(PlanRow(method, B, resident, staging, fp.non_expert, fp.cache_slots, fp.draft_experts,
+                            fp.kv_cache, fp.scratch, fp.total, budget_b, gpu, note))
+
+    # target_only: every weight on the device (the reference and speed ceiling; not bound by the tier)
+    for B in sizes:
+        add("target_only", B, E, 0, 0, B * kv_tok * seq(0), scratch(0, B), budget_b=None,
+            note="every expert on the device; not bound by the tier")
+    # offload_ar / mo_sc: the tier's M slots (+ MO's 4 staging buffers), autoregressive
+    for name in ("offload_ar", "mo_sc"):
+        st = int(method_defaults(name, cfg).get("staging_buffers") or 0) if name == "mo_sc" else 0
+        for B in sizes:
+            add(name, B, M, st, 0, B * kv_tok * seq(0), scratch(0, B))
+    # specter and moe_spec: shared-instance INT4 draft, K+1 window, staging from what the budget still holds
+    K = effective_K(cfg)
+    for name in ("specter", "moe_spec"):
+        m = method_defaults(name, cfg)
+        for B in sizes:
+            base = Footprint(f.non_expert_bytes, M * L * eb, draft, B * kv_tok * seq(K), scratch(K, B))
+            if m.get("staging_buffers") is not None:
+                st = int(m.staging_buffers)
+            else:
+                st = auto_staging(max(0, budget - base.total), eb, L, float(m.get("staging_per_layer", 1.2)))
+            add(name, B, M, st, draft, base.kv_cache, base.scratch, note=f"K={K}")
+    # mo_sm: Specter's bytes (B=1) as extra slots, or the artifact's preset
+    sm, sp = method_defaults("mo_sm", cfg), method_defaults("specter", cfg)
+    derivation = same_memory_slots(
+        non_expert=f.non_expert_bytes, L=L, E=E, expert_bytes=eb, kv_token=kv_tok, seq1=seq(0), K=K, specter_resident=M,
+        int4_draft=draft, scratch_K=scratch(K, 1), scratch_0=scratch(0, 1), mo_staging=int(sm.staging_buffers),
+        budget=budget, specter_staging=sp.get("staging_buffers"),
+        staging_per_layer=float(sp.get("staging_per_layer", 1.2)))
+    preset = (sm.get("presets") or {}).get(cfg.model.name, {}).get(cfg.memory.name)
+    M_sm = sm.get("residents") if sm.get("residents") is not None else preset if preset is not None else derivation["resident"]
+    source = "method.residents" if sm.get("residents") is not None else "preset" if preset is not None else "derived"
+    for B in sizes:
+        add("mo_sm", B, int(M_sm), int(sm.staging_buffers), 0, B * kv_tok * seq(0), scratch(0, B),
+            note=f"{source}; derived M'={derivation['resident']}")
+    # specmoeoff: K=3, a separate draft (own non-expert copy, INT4 experts, KV, scratch), preset residents capped
+    so = method_defaults("specmoeoff", cfg)
+    K_so = int(cfg.K) if cfg.get("K") is not None else int(so.K)
+    preset_so = max(1, min(E, round(int(so.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
+    kv1, scr1 = kv_tok * seq(K_so), scratch(K_so, 1)
+    fixed = f.non_expert_bytes + kv1 + scr1 + draft + f.non_expert_bytes + kv1 + scr1
+    fit = max(1, (budget - fixed) // (L * eb))
+    M_so = int(min(preset_so, fit))
+    for B in sizes:
+        add("specmoeoff", B, M_so, 0, draft + f.non_expert_bytes + B * (kv1 + scr1), B * kv1, B * scr1,
+            note=f"K={K_so}; preset {preset_so}, budget fits {fit}")
+    # engines that place weights themselves, given the tier's budget (B=1 only: their batching is theirs)
+    n_ctx = P + max(N, int(cfg.warmup_tokens)) + 1
+    itemsize = torch.finfo(dtype).bits // 8
+    full = f.full_bytes
+    on_dev = min(full, budget)
+    rows.append(PlanRow("transformers", 1, None, 0, on_dev, 0, 0, 0, 0, on_dev, budget, gpu,
+                        f"device_map=auto, max_memory={budget / GB:.2f} GB; {(full - on_dev) / GB:.2f} GB on the host"))
+    kv_layer = kv_bytes_per_token_layer(config.to_dict(), itemsize) * n_ctx
+    n_gpu = gpu_layers_for_budget(list(f.layer_bytes), f.head_bytes, kv_layer, budget)
+    kept = list(f.layer_bytes)[len(f.layer_bytes) - min(n_gpu, len(f.layer_bytes)):]
+    dev = sum(kept) + kv_layer * len(kept) + (f.head_bytes if n_gpu > len(f.layer_bytes) else 0)
+    rows.append(PlanRow("llamacpp", 1, None, 0, dev - kv_layer * len(kept), 0, 0, kv_layer * len(kept), 0, dev,
+                        budget, gpu, f"n_gpu_layers={n_gpu} of {len(f.layer_bytes)} (+1 = output layer)"))
+    off = cpu_offload_gib(full, budget)
+    rows.append(PlanRow("vllm", 1, None, 0, on_dev, 0, 0, 0, 0, on_dev, budget, gpu,
+                        f"cpu_offload_gb={off:.2f} GiB; KV from gpu_memory_utilization"))
+    facts = {**asdict(f), "dtype": str(dtype).removeprefix("torch."), "layer_bytes": list(f.layer_bytes),
+             "full_bytes": full, "budget_bytes": budget, "gpu_bytes": gpu, "resident": M, "K": K,
+             "device": device_type, "draft_bytes": draft, "mo_sm_derivation": derivation}
+    return rows, facts
+
+
+def _gb(x: int) -> str:
+    return f"{x / GB:.3f}"
+
+
+def format_plan(cfg: DictConfig, rows: list[PlanRow], facts: dict[str, Any]) -> str:
+    """The plan as text: the model's facts, one table of every method x batch size, what fits."""
+    out = io.StringIO()
+    f = facts
+    gpu_name = "an A100 40 GB" if cfg.hardware.get("gpu_memory_gb") is None else f"a {f['gpu_bytes'] / GB:g} GB GPU"
+    print(f"memory plan: {cfg.model.name} ({f['model_type']}), memory={cfg.memory.name} (M={f['resident']} of "
+          f"{f['num_experts']} experts per MoE layer, budget {_gb(f['budget_bytes'])} GB), {f['dtype']} on "
+          f"{f['device']}, against {gpu_name} ({_gb(f['gpu_bytes'])} GB)", file=out)
+    print(f"  {f['num_layers']} layers ({f['moe_layers']} MoE), hidden {f['hidden']}, expert {f['hidden']}x"
+          f"{f['expert_inter']} = {f['expert_bytes']:,} B, vocab {f['vocab']}, KV {f['kv_bytes_per_token']:,} B/token, "
+          f"non-expert {_gb(f['non_expert_bytes'])} GB, all weights {_gb(f['full_bytes'])} GB, INT4 draft "
+          f"{_gb(f['draft_bytes'])} GB; context {cfg.prefix_tokens}+{cfg.max_new_tokens} tokens (+K+1), K={f['K']}",
+          file=out)
+    print("  GB = 1e9 bytes; margin = budget (or GPU) minus total; the CUDA context is not counted", file=out)
+    head = ("method", "B", "M", "stage", "non-exp", "slots", "draft", "KV", "scratch", "total", "budget margin",
+            "GPU margin", "fits")
+    table = [head]
+    for r in rows:
+        table.append((r.method, str(r.batch), "-" if r.resident is None else str(r.resident), str(r.staging),
+                      _gb(r.non_expert), _gb(r.cache_slots), _gb(r.draft), _gb(r.kv_cache), _gb(r.scratch),
+                      _gb(r.total), "-" if r.budget is None else _gb(r.budget - r.total), _gb(r.gpu - r.total),
+                      ("yes" if r.fits else "no (budget)" if not r.fits_budget else "no (GPU)")))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for i, row in enumerate(table):
+        print("  " + "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))),
+              file=out)
+        if i == 0:
+            print("  " + "  ".join("-" * w for w in widths), file=out)
+    print("  fitting batch sizes (tier budget and GPU):", file=out)
+    for method in dict.fromkeys(r.method for r in rows):
+        mine = [r for r in rows if r.method == method]
+        ok = [r.batch for r in mine if r.fits]
+        note = mine[0].note
+        print(f"    {method:<12} {('B=' + ','.join(map(str, ok))) if ok else 'none'}"
+              f"{'  (' + note + ')' if note else ''}", file=out)
+    spec = next(r for r in rows if r.method == "specter" and r.batch == min(r.batch for r in rows))
+    verdict = "fits" if spec.fits else "does NOT fit"
+    before = spec.budget - spec.total + spec.staging * f["expert_bytes"]
+    print(f"  specter at B={spec.batch}: {_gb(spec.total)} GB {verdict} the tier's budget (margin "
+          f"{_gb(spec.budget - spec.total)} GB; {_gb(before)} GB before its {spec.staging} staging buffers, which take "
+          f"what the budget still holds) and the GPU (margin {_gb(spec.gpu - spec.total)} GB); the tier's budget "
+          f"{'fits' if f['budget_bytes'] <= f['gpu_bytes'] else 'EXCEEDS'} the GPU (margin "
+          f"{_gb(f['gpu_bytes'] - f['budget_bytes'])} GB)", file=out)
+    return out.getvalue()
+
+
+CSV_FIELDS = ("model", "memory", "method", "batch", "resident", "staging", "non_expert", "cache_slots", "draft",
+              "kv_cache", "scratch", "total", "budget", "gpu", "fits_budget", "fits_gpu", "note")
+
+
+def plan_csv(cfg: DictConfig, rows: list[PlanRow]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        d = asdict(r)
+        w.writerow({"model": cfg.model.name, "memory": cfg.memory.name,
+                    **{k: ("" if d[k] is None else d[k]) for k in CSV_FIELDS if k in d}})
+    return buf.getvalue()
+
+
+def run_plan(cfg: DictConfig) -> Path:
+    """`experiment=plan`: print the plan and write `<output_dir>/plan.csv` (exact bytes)."""
+    from specter.paths import atomic_write_text
+
+    rows, facts = plan_rows(cfg)
+    print(format_plan(cfg, rows, facts), end="", flush=True)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "plan.csv", plan_csv(cfg, rows))
+    print(f"  bytes per component: {out / 'plan.csv'}")
+    return out
+
+
+PAPER_JOBS = tuple((m, t) for m in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """All three real models x both tiers (extra arguments are overrides, e.g. hardware.gpu_memory_gb=80)."""
+    from specter.harness.compose import compose
+    from specter.harness.errors import USER_ERRORS, report
+
+    extra = list(sys.argv[1:] if argv is None else argv)
+    for model, tier in PAPER_JOBS:
+        try:
+            run_plan(compose([f"model={model}", f"memory={tier}", "hardware=cuda", "experiment=plan", *extra]))
+        except USER_ERRORS as err:
+            report(err)
+            return 2
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
