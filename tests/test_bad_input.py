@@ -206,7 +206,7 @@ def calibration_home(tmp_path, monkeypatch, tiny_checkpoint):
     return path
 
 
-EMULATED = ["method=offload_ar", "hardware=emulated", "hardware.threads=1"]
+EMULATED = ["method=offload_ar", "hardware=emulated", "hardware.threads=1", "hardware.recalibrate=false"]  # the cached step
 
 
 @pytest.mark.parametrize("content,needle", [

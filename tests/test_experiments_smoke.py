@@ -18,6 +18,8 @@ PER_EXPERIMENT = {
     "batch": ["batch.sizes=[2]", "method.quant=rtn", "dataset=humaneval"],
     "main": ["method=specter", "method.quant=rtn", "K=2"],
     "compare": ["model.trained=false", "+compare.method_overrides={specter:{quant:rtn}}", "dataset=humaneval"],
+    "load_ratio_sweep": ["model.trained=false", "load_ratio_sweep.ratios=[2]", "load_ratio_sweep.methods=[offload_ar]",
+                         "load_ratio_sweep.tiers=[low]", "hardware.ratio_probe_steps=3"],
 }
 
 

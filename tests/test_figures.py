@@ -92,6 +92,13 @@ def make_results(root: Path, with_trace: bool = True) -> Path:
     pd.DataFrame(rows, columns=["method", "model", "memory", "batch_size", "dataset", "tpot_median_ms", "tpot_p90_ms",
                                 "throughput_tok_s", "distinct_experts_per_layer", "h2d_bytes_per_token",
                                 "acceptance"]).to_csv(batch / "batch.csv", index=False)
+    sweep = root / "load_ratio"  # experiment=load_ratio_sweep
+    sweep.mkdir(parents=True)
+    pd.DataFrame([{"model": "tiny_dsv2", "memory": tier, "hardware": "emulated", "method": m, "load_ratio": r,
+                   "tpot_ms": 5.0 + r * (4 if m == "offload_ar" else 1), "effective_load_ratio": r * 1.1,
+                   "load_ratio_off": 0}
+                  for tier in ("high", "low") for r in (0.5, 2.0, 8.0) for m in ("offload_ar", "specter")]).to_csv(
+        sweep / "load_ratio.csv", index=False)
     if with_trace:
         trace = _run(root / "trace" / "tiny_dsv2-specter-low", "specter", memory="low", records=False)
         events = [(0, "draft_step", -1, -1, 0, 1, 0, ""), (0, "draft_step", -1, -1, 1, 2, 0, ""),
@@ -139,7 +146,7 @@ def test_every_figure_written_as_png_and_pdf(built):
     figures, res = built
     for name in ("fig07_k_sweep", "fig09_planner_timeline", "fig10_draft_kernel_latency", "fig11_draft_kernel_speedup",
                  "fig13_routing", "fig14_tpot", "fig15_batch_tpot", "fig16_batch_working_set", "io_vs_oracle",
-                 "verify_schedule"):
+                 "verify_schedule", "fig_load_ratio"):
         for ext in ("png", "pdf"):
             assert (figures / f"{name}.{ext}").stat().st_size > 1000, name
     for name in ("table_headline_speedup", "table3_batch", "table_batch_scaling", "paper_vs_here"):

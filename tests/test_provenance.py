@@ -116,7 +116,7 @@ def test_draft_and_link_caches_are_keyed_by_weights(replaced_weights, monkeypatc
     drafts, links = [], []
     monkeypatch.setattr(calibration, "gptq_draft", lambda rt, batches, path, gs: (drafts.append(path), ({}, {}))[1])
     params = SimpleNamespace(per_layer_step_s=1e-3, load_ratio=0.7, expert_load_s=7e-4, bandwidth_bytes_per_s=1e9,
-                             latency_s=1e-5)
+                             latency_s=1e-5, calibration_source="measured")
     monkeypatch.setattr(runtime, "calibrated_link", lambda eb, lr, path, *a, **k: (links.append(path), params)[1])
     for ckpt in (src, copy):
         rt = SimpleNamespace(weights_digest=checkpoint_digest(ckpt), cache=SimpleNamespace(device=torch.device("cpu")))

@@ -22,6 +22,7 @@ Outputs (missing inputs are skipped with a printed note, never drawn as placehol
   fig15_batch_tpot, fig16_batch_working_set, table3_batch, table_batch_scaling          (batch.csv)
   io_vs_oracle                   H2D bytes against the oracle                           (records.csv)
   verify_schedule                expert-wise vs token-wise verification                 (verify_schedule.csv)
+  fig_load_ratio                 TPOT and Specter's speedup against the link's load ratio r (load_ratio.csv)
   paper_vs_here                  the paper's numbers beside ours, as ratios            (results/paper/*.csv)
   index.md                       what was written and what was skipped, and why
 """
@@ -39,6 +40,7 @@ from specter.figures import (
     headline,
     io_oracle,
     k_sweep,
+    load_ratio,
     paper_compare,
     routing,
     timeline,
@@ -58,6 +60,7 @@ FIGURES = (
     ("Figs. 15/16 + Table 3 batching", batching),
     ("I/O vs oracle", io_oracle),
     ("Verification schedule", verify_schedule),
+    ("TPOT against the load ratio", load_ratio),
     ("Paper vs here", paper_compare),
 )
 

@@ -5,9 +5,10 @@ A *result set* is a folder searched recursively. Inside it:
   records.csv          one row per generated sequence (specter/harness/records.py), beside the run's
                        config.yaml; records under a `K=<k>` folder are K-sweep points (read through
                        k_sweep.csv), under a `B=<b>` folder batched requests (read through batch.csv),
-                       under a `bench` folder side benchmarks (prefetch ablations), and runs that
-                       traced their windows (method.trace_windows, or a `trace` folder) traced runs:
-                       all kept apart from the main grid (specter/figures/labels.py)
+                       under a `bench` folder side benchmarks (prefetch ablations), under a
+                       `load_ratio` folder the load-ratio sweep (read through load_ratio.csv), and
+                       runs that traced their windows (method.trace_windows, or a `trace` folder)
+                       traced runs: all kept apart from the main grid (specter/figures/labels.py)
   k_sweep.csv          one row per K (+ k_profile.json: the chosen K)
   draft_kernel*.csv    draft-kernel benchmark (scripts/bench_draft_kernel.py)
   verify_schedule.csv  expert-wise vs token-wise verification (scripts/bench_verify.py)
@@ -15,6 +16,7 @@ A *result set* is a folder searched recursively. Inside it:
   batch.csv            method,model,memory,batch_size,dataset,tpot_median_ms,tpot_p90_ms,
                        throughput_tok_s,distinct_experts_per_layer,h2d_bytes_per_token,acceptance
   trace.csv            window,event,layer,expert,start_ms,end_ms,bytes,phase
+  load_ratio.csv       model,memory,method,load_ratio,tpot_ms,effective_load_ratio,... (experiment=load_ratio_sweep)
 
 records.csv, batch.csv, routes.csv and trace.csv are read through the harness's validated row
 reader (specter/harness/rowstore.py), the same one the summaries use: a torn, non-UTF-8 or
@@ -37,7 +39,7 @@ from specter.figures.common import REAL_OF_TINY
 from specter.figures.labels import method_settings, record_source, variant_labels  # noqa: F401 (re-exported)
 
 INPUT_NAMES = ("records.csv", "k_sweep.csv", "draft_kernel*.csv", "verify_schedule.csv", "routes.csv",
-               "batch.csv", "trace.csv")
+               "batch.csv", "trace.csv", "load_ratio.csv")
 # Folders directly under results/ that hold other result sets (or no results at all).
 SET_ASIDE = ("reference", "paper", "logs", "multirun", "quick")
 

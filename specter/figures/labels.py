@@ -41,6 +41,8 @@ def record_source(rel_parts: Sequence[str], method_cfg: Mapping[str, Any]) -> st
         return "bench"
     if bool(method_cfg.get("trace_windows")) or "trace" in rel_parts:
         return "trace"
+    if "load_ratio" in rel_parts:  # experiment=load_ratio_sweep (read through load_ratio.csv)
+        return "load_ratio"
     return "main"
 
 

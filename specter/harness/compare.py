@@ -58,8 +58,17 @@ def comparison_table(records: pd.DataFrame, reference: str = "target_only", base
             "h2d_mb_per_token": h2d / df.new_tokens.sum() / 1e6 if h2d is not None else None,
             "h2d_over_oracle": h2d / oracle if h2d is not None and oracle else None,
             f"same_tokens_as_{reference}": same,
+            **_ratio_columns(df),
         })
     return pd.DataFrame(rows)
+
+
+def _ratio_columns(df: pd.DataFrame) -> dict:
+    """Configured and mean effective load ratio of a method's records, and how many were flagged."""
+    if "effective_load_ratio" not in df or df.effective_load_ratio.isna().all():
+        return {"load_ratio": None, "effective_load_ratio": None, "load_ratio_off": None}
+    return {"load_ratio": df.load_ratio.dropna().iloc[0] if df.load_ratio.notna().any() else None,
+            "effective_load_ratio": df.effective_load_ratio.mean(), "load_ratio_off": int(df.load_ratio_off.sum())}
 
 
 def compare(cfg: DictConfig) -> Path:
@@ -97,7 +106,8 @@ def print_comparison(table: pd.DataFrame, title: str) -> None:
 
 _HEADERS = {"tpot_ms": "TPOT ms", "speedup_vs_offload_ar": "× vs offload_ar", "acceptance_alpha": "α",
             "tokens_per_iteration": "tokens/iter", "h2d_mb_per_token": "H2D MB/token",
-            "h2d_over_oracle": "H2D ÷ oracle", "same_tokens_as_target_only": "= target_only"}
+            "h2d_over_oracle": "H2D ÷ oracle", "same_tokens_as_target_only": "= target_only",
+            "load_ratio": "r set", "effective_load_ratio": "r run", "load_ratio_off": "r off"}
 
 
 def _fmt(v) -> str:

@@ -76,6 +76,9 @@ def validate(cfg: DictConfig) -> None:
              f"hardware.bandwidth_gbps must be > 0 (or null to calibrate), got {hw.bandwidth_gbps}")
     _require(hw.latency_us is None or hw.latency_us >= 0, f"hardware.latency_us must be >= 0, got {hw.latency_us}")
     _require(cfg.model.load_ratio > 0, f"model.load_ratio must be > 0, got {cfg.model.load_ratio}")
+    _require(hw.get("load_ratio_tolerance", 0.25) > 0,
+             f"hardware.load_ratio_tolerance must be > 0 (relative), got {hw.get('load_ratio_tolerance')}")
+    _require(hw.get("ratio_probe_steps", 0) >= 0, f"hardware.ratio_probe_steps must be >= 0, got {hw.get('ratio_probe_steps')}")
     budget = cfg.memory.budget_mb
     _require(budget is None or budget > 0, f"memory.budget_mb must be > 0 (or null for the tier's budget), got {budget}")
     m = cfg.method

@@ -33,6 +33,12 @@ def _batch(cfg: DictConfig):
     return run_batch(cfg)
 
 
+def _load_ratio_sweep(cfg: DictConfig):
+    from specter.harness.load_ratio_sweep import load_ratio_sweep
+
+    return load_ratio_sweep(cfg)
+
+
 def _plan(cfg: DictConfig):
     from specter.harness.plan import run_plan  # config arithmetic only: no weights, no device
 
@@ -40,7 +46,8 @@ def _plan(cfg: DictConfig):
 
 
 EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep, "compare": _compare,
-                                                          "batch": _batch, "plan": _plan}
+                                                          "batch": _batch, "plan": _plan,
+                                                          "load_ratio_sweep": _load_ratio_sweep}
 
 
 def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:

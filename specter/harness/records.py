@@ -43,6 +43,8 @@ COLUMNS = (
     "peak_memory_bytes",
     # correctness and provenance
     "lossless_check", "prompt_sha256", "output_digest", "seed",
+    # the emulated link as it ran (offload.calibrate.RATIO_COLUMNS)
+    "load_ratio", "effective_load_ratio", "layer_step_ms", "expert_load_ms", "load_ratio_off",
 )
 TEXT_COLUMNS = frozenset({"method", "model", "memory", "dataset", "hardware", "schedule", "prefetch", "draft_quant",
                           "budget_mode", "lossless_check", "prompt_sha256", "output_digest"})

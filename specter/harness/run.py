@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from specter.harness.artifacts import SideTables
 from specter.harness.config import ConfigError, resident_experts, validate
 from specter.harness.datasets import DatasetFormatError, PromptSet, expand_datasets, load_prompt_set
+from specter.harness.load_ratio import run_load_ratios
 from specter.harness.methods import Method, build_method
 from specter.harness.output import check_weights, run_folder, write_environment
 from specter.harness.records import RecordWriter, text_digest, token_digest
@@ -145,6 +146,7 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
             first_ds = todo[0][0]
             method.generate(encode(first_ds, 0), cfg.warmup_tokens, make_generator(device, 0))
             method.warmed()
+        ratios = run_load_ratios(cfg, checkpoint, method)  # each record's effective load ratio (load_ratio.py)
         static = {"hardware": cfg.hardware.name, "prefix_tokens": cfg.prefix_tokens, **method.static_fields()}
         side = SideTables(out)
         for ds, i, r in tqdm(todo, desc=f"{cfg.method.name}/{cfg.model.name}", disable=not cfg.progress, unit="rec"):
@@ -158,6 +160,7 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
                 **gen.clock.latency(), **gen.stats,
                 "prompt_sha256": text_digest(prompts[ds][i]),
                 "output_digest": token_digest(gen.tokens), "seed": seed,
+                **ratios.columns(f"{cfg.method.name}/{cfg.model.name} {ds} prompt {i} repeat {r}"),
             }
             side.append({"dataset": ds, "prompt_index": i, "repeat": r}, gen.artifacts)  # before its record
             writer.append(row)

@@ -14,7 +14,8 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, bind_checkpoint, effective_K, resident_experts
-from specter.models.loading import DTYPES, load_full_model, load_offloaded, non_expert_bytes
+from specter.harness.load_ratio import probe_model
+from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
 from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
 from specter.moe import MoERuntime
 from specter.offload.budget import Footprint, kv_bytes_per_token
@@ -109,11 +110,12 @@ def link_params(spec: MethodSpec, checkpoint: Path, expert_bytes: int, digest: s
     key = f"{safe_name(spec.model, 'model.name')}-{digest[:12]}-{spec.dtype}-t{torch.get_num_threads()}"
     path = specter_home() / "calibration" / f"{key}.json"
     params = calibrated_link(expert_bytes, link.load_ratio, path,
-                             lambda: measure_layer_step(load_full_model(checkpoint, spec.torch_dtype, spec.torch_device)),
+                             lambda: measure_layer_step(probe_model(checkpoint, spec.torch_dtype, spec.torch_device)),
                              latency_us=link.latency_us, recalibrate=link.recalibrate)
     print(f"emulated link for {spec.model}: layer step {params.per_layer_step_s * 1e3:.3f} ms x load_ratio "
           f"{params.load_ratio} -> expert load {params.expert_load_s * 1e3:.3f} ms ({expert_bytes / 1e6:.2f} MB at "
-          f"{params.bandwidth_bytes_per_s / 1e9:.3f} GB/s + {params.latency_s * 1e6:.0f} us) [calibration: {path}]",
+          f"{params.bandwidth_bytes_per_s / 1e9:.3f} GB/s + {params.latency_s * 1e6:.0f} us) "
+          f"[layer step {params.calibration_source}; calibration: {path}]",
           flush=True)
     return params
 

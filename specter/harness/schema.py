@@ -61,7 +61,9 @@ class HardwareConfig:
     threads: Optional[int] = None  # torch compute threads (null = torch default)
     bandwidth_gbps: Optional[float] = None  # emulated link: fixed bandwidth (null = calibrate)
     latency_us: Optional[float] = None  # emulated link: fixed latency (null = 5% of a load)
-    recalibrate: bool = False  # emulated link: measure the layer step again
+    recalibrate: bool = True  # emulated link: measure the layer step in this run's warm-up (false: reuse the cached one)
+    load_ratio_tolerance: float = 0.25  # a record whose effective load ratio is off the configured one by more (relative) is flagged
+    ratio_probe_steps: int = 12  # decode steps of the in-run layer-step probe around each record (0: no probe)
     draft_kernel: str = "auto"  # INT4 draft MoE kernel on CUDA: auto | triton | marlin | torch
     gpu_memory_gb: Optional[float] = None  # experiment=plan: the GPU's memory in GB (null = an A100 40 GB)
 
@@ -106,6 +108,16 @@ class BatchConfig:
 
 
 @dataclass
+class LoadRatioSweepConfig:
+    """experiment=load_ratio_sweep: TPOT of each method against the emulated link's load ratio r."""
+
+    ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0, 2.0, 4.0, 8.0])
+    methods: list[str] = field(default_factory=lambda: ["target_only", "offload_ar", "mo_sm", "specmoeoff", "specter"])
+    tiers: list[str] = field(default_factory=lambda: ["high", "low"])
+    models: Optional[list[str]] = None  # null = the run's model
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     memory: MemoryConfig = MISSING
@@ -134,6 +146,7 @@ class RunConfig:
     verbose: bool = False  # show third-party libraries' banners and log lines (quiet by default)
     batch: BatchConfig = field(default_factory=BatchConfig)  # experiment=batch settings
     compare: dict[str, Any] = field(default_factory=dict)  # experiment=compare settings
+    load_ratio_sweep: LoadRatioSweepConfig = field(default_factory=LoadRatioSweepConfig)  # experiment=load_ratio_sweep
 
 
 METHOD_SCHEMAS: dict[str, type] = {

@@ -28,6 +28,10 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         h2d_mb_per_token=("h2d_mb_per_token", "mean"),
         hit_rate=("hit_rate", "mean"),
         prefetch_recall=("prefetch_recall", "mean"),
+        # the emulated link as it ran (harness/load_ratio.py): configured and mean effective ratio, flagged records
+        load_ratio=("load_ratio", "first"),
+        effective_load_ratio=("effective_load_ratio", "mean"),
+        load_ratio_off=("load_ratio_off", lambda s: s.sum(min_count=1)),
     )
     bytes_sum = df.groupby(GROUP, sort=False)["h2d_bytes"].sum()
     oracle_sum = df.groupby(GROUP, sort=False)["oracle_h2d_bytes"].sum(min_count=1)

@@ -1,9 +1,15 @@
 """Calibrate the emulated link: one expert load costs `load_ratio` x one layer's decode step.
 
 The ratio is what PCIe 4.0 has to an A100 layer step for the real model (~0.7 for
-DeepSeek-V2-Lite and Qwen1.5-MoE, ~6 for Phi-3.5-MoE; an estimate). The layer step is measured
-on the running machine once and cached (a JSON file the caller names), so every method of a
-benchmark sees the same link.
+DeepSeek-V2-Lite and Qwen1.5-MoE, ~6 for Phi-3.5-MoE; an estimate). By default the layer step is
+measured again in each run's warm-up (`recalibrate=True`), so the link a run uses follows the
+machine as it is at that moment; the last measurement is cached (a JSON file the caller names)
+and is what a run with `recalibrate=False` reuses.
+
+What a run actually ran under is measured too: :class:`LoadRatioMonitor` divides the link's mean
+expert-load time during a record by the layer step probed around it, the record's *effective*
+load ratio, and flags a record whose effective ratio is off the configured one by more than a
+relative tolerance.
 """
 
 from __future__ import annotations
@@ -13,15 +19,17 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from specter.paths import atomic_write_text
 
 GB = 1e9
-# Bounds that keep a bad calibration or override from hanging a run (or making loads free).
-MIN_BANDWIDTH_BYTES_PER_S = 1e6
+# Bounds that keep a bad calibration or override from hanging a run (or making loads free). The
+# expert-load bound is what keeps a run finite; the bandwidth floor is only a sanity bound (a tiny
+# model's 0.2 MB expert at r = 8 on a busy machine, 30 ms per layer step, needs 0.8 MB/s).
+MIN_BANDWIDTH_BYTES_PER_S = 1e4
 MAX_LATENCY_S = 1.0
 MAX_EXPERT_LOAD_S = 5.0
 
@@ -40,6 +48,7 @@ class LinkParams:
     load_ratio: float | None = None
     calibrated: bool = False
     calibration_file: str | None = None
+    calibration_source: str | None = None  # "measured" (in this run) | "cached" (an earlier run's step)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,20 +88,21 @@ def calibrated_link(expert_bytes: int, load_ratio: float, calibration_file: Path
                     latency_us: float | None = None, recalibrate: bool = False) -> LinkParams:
     """Link parameters so one expert load takes `load_ratio` x the (cached) per-layer step.
 
-    `measure()` returns the per-layer step in seconds; it runs only when the cache is absent or
-    `recalibrate` is set.
+    `measure()` returns the per-layer step in seconds; it runs when `recalibrate` is set (the
+    default of hardware=emulated: every run measures its own step) or when the cache is absent;
+    otherwise the cached step of an earlier run is reused (a fallback).
     """
     if calibration_file.exists() and not recalibrate:
-        per_layer = read_calibration(calibration_file)
+        per_layer, source = read_calibration(calibration_file), "cached"
     else:
-        per_layer = float(measure())
+        per_layer, source = float(measure()), "measured"
         atomic_write_text(calibration_file, json.dumps({"per_layer_step_s": per_layer, "measured": time.strftime("%F %T")}))
     load_s = load_ratio * per_layer
     latency = float(latency_us) * 1e-6 if latency_us is not None else 0.05 * load_s
     bandwidth = expert_bytes / max(load_s - latency, 1e-9)
     try:
         return _checked(LinkParams("emulated", bandwidth, latency, per_layer, load_s, load_ratio, calibrated=True,
-                                   calibration_file=str(calibration_file)))
+                                   calibration_file=str(calibration_file), calibration_source=source))
     except CalibrationError as err:
         raise CalibrationError(
             f"{err} (link calibration {calibration_file}: layer step {per_layer:.3g} s x load_ratio {load_ratio}); "
@@ -121,3 +131,92 @@ def _checked(p: LinkParams) -> LinkParams:
     if p.latency_s is not None and not 0 <= p.latency_s <= MAX_LATENCY_S:
         raise CalibrationError(f"emulated link latency {p.latency_s:.3g} s is outside [0, {MAX_LATENCY_S}] s")
     return p
+
+
+# --------------------------------------------------------------------------- effective ratio
+DEFAULT_TOLERANCE = 0.25  # relative: a record is flagged when |effective / configured - 1| > this
+RATIO_COLUMNS = ("load_ratio", "effective_load_ratio", "layer_step_ms", "expert_load_ms", "load_ratio_off")
+
+
+@dataclass(frozen=True)
+class EffectiveRatio:
+    """What one record ran under: the link's mean expert load over the layer step measured around it.
+
+    `configured` is the ratio the link was calibrated for (None when nothing set it from a ratio:
+    a pinned `bandwidth_gbps`, a real GPU); `layer_step_s` is None when no step was measured."""
+
+    configured: float | None
+    layer_step_s: float | None
+    expert_load_s: float | None
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def effective(self) -> float | None:
+        if self.layer_step_s is None or self.expert_load_s is None or self.layer_step_s <= 0:
+            return None
+        return self.expert_load_s / self.layer_step_s
+
+    @property
+    def off(self) -> bool | None:
+        """True when the effective ratio is outside the tolerance of the configured one."""
+        eff = self.effective
+        if eff is None or not self.configured:
+            return None
+        return abs(eff / self.configured - 1.0) > self.tolerance
+
+    def columns(self) -> dict[str, float | int | None]:
+        """The record columns (RATIO_COLUMNS); what was not measured stays empty."""
+        off = self.off
+        ms = lambda s: None if s is None else round(s * 1e3, 6)
+        eff = self.effective
+        return {"load_ratio": self.configured, "effective_load_ratio": None if eff is None else round(eff, 4),
+                "layer_step_ms": ms(self.layer_step_s), "expert_load_ms": ms(self.expert_load_s),
+                "load_ratio_off": None if off is None else int(off)}
+
+    def describe(self) -> str:
+        return (f"effective load ratio {self.effective:.3g} (expert load {self.expert_load_s * 1e3:.3g} ms / "
+                f"layer step {self.layer_step_s * 1e3:.3g} ms) against the configured {self.configured:g}, "
+                f"outside the ±{self.tolerance:.0%} tolerance")
+
+
+class LoadRatioMonitor:
+    """Measures every record's effective load ratio on a link.
+
+    The expert-load time is the link's busy time per copy over the record (its modelled time when
+    the record copied nothing); the layer step is the mean of two probes, one just before the
+    record (the warm-up probe for the first) and one just after, both outside timing. `probe`
+    returns a per-layer step in seconds (None: no probe, the layer step stays empty).
+    """
+
+    def __init__(self, link: Any, params: LinkParams, probe: Callable[[], float] | None = None,
+                 tolerance: float = DEFAULT_TOLERANCE):
+        if not tolerance > 0:
+            raise ValueError(f"load-ratio tolerance must be > 0, got {tolerance}")
+        self.link = link
+        self.params = params
+        self.probe = probe
+        self.tolerance = float(tolerance)
+        self.configured = float(params.load_ratio) if params.calibrated and params.load_ratio else None
+        self.warmup_step_s = probe() if probe is not None else None  # the step right after the warm-up
+        self._last_step_s = self.warmup_step_s
+        self._busy, self._copies = self._link_state()
+
+    def _link_state(self) -> tuple[float, int]:
+        if self.link is None:
+            return 0.0, 0
+        self.link.synchronize()  # copies still in flight count toward the record that submitted them
+        stats = self.link.stats
+        return stats.busy_seconds, stats.copies
+
+    def record(self) -> EffectiveRatio:
+        """The ratio of the record that ran since the previous call (or since the monitor started)."""
+        busy, copies = self._link_state()
+        d_busy, d_copies = busy - self._busy, copies - self._copies
+        self._busy, self._copies = busy, copies
+        load = d_busy / d_copies if d_copies > 0 else self.params.expert_load_s
+        step = None
+        if self.probe is not None:
+            after = self.probe()
+            step = (self._last_step_s + after) / 2 if self._last_step_s is not None else after
+            self._last_step_s = after
+        return EffectiveRatio(self.configured, step, load, self.tolerance)

@@ -1,0 +1,96 @@
+"""The effective load ratio of every record: what the emulated link ran under, measured in the run.
+
+`model.load_ratio` says how long one expert load should take relative to one layer's decode step.
+The link is calibrated from a layer step measured in the run's warm-up, but a machine that gets
+busier (or quieter) while a run goes on changes the step and not the link. So every record also
+carries the ratio it actually ran under, measured by `specter.offload.calibrate.LoadRatioMonitor`:
+the link's mean expert-load time during the record over the layer step probed just before and
+just after it (outside timing), next to the configured ratio; a record off by more than
+`hardware.load_ratio_tolerance` (relative) is flagged in `load_ratio_off` and warned about.
+
+The probe is the calibration's own measurement (`measure_layer_step`: one-token decode steps of
+the plain model with every weight on the device, per layer), on a copy of the model kept for
+the run; `hardware.ratio_probe_steps=0` skips it (the layer step is then the warm-up calibration's).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from specter.offload.calibrate import (
+    DEFAULT_TOLERANCE,
+    RATIO_COLUMNS,
+    EffectiveRatio,
+    LinkParams,
+    LoadRatioMonitor,
+    measure_layer_step,
+)
+
+PROBE_STEPS = 12  # one-token decode steps per in-run probe (3 rounds of 4; the median is kept)
+
+
+@lru_cache(maxsize=1)
+def probe_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The plain model with every weight on the device, loaded once for a run's calibration and probes
+    (the last one is kept: a sweep over one model loads it once)."""
+    from specter.models.loading import load_full_model
+
+    return load_full_model(checkpoint, dtype, device)
+
+
+class RecordRatios:
+    """Per-record load-ratio columns of one run (empty columns where the method has no emulated link)."""
+
+    def __init__(self, monitor: LoadRatioMonitor | None, warn: Callable[[str], None] | None = None):
+        self.monitor = monitor
+        self.warn = warn or (lambda msg: print(f"specter: warning: {msg}", file=sys.stderr, flush=True))
+        self.flagged = 0
+
+    def columns(self, what: str) -> dict[str, Any]:
+        """Measure the record that just finished (`what` names it in the warning) -> RATIO_COLUMNS."""
+        if self.monitor is None:
+            return dict.fromkeys(RATIO_COLUMNS)
+        ratio = self.monitor.record()
+        if ratio.off:
+            self.flagged += 1
+            self.warn(f"{what} ran at an {ratio.describe()}; flagged (load_ratio_off=1)")
+        return ratio.columns()
+
+
+def run_load_ratios(cfg: DictConfig, checkpoint: Path, method: Any) -> RecordRatios:
+    """The per-record monitor of a run, started right after its warm-up (its first probe)."""
+    rt = getattr(method, "rt", None)
+    params: LinkParams | None = getattr(rt, "link_params", None)
+    if rt is None or params is None:  # target_only, engine baselines: no link of ours
+        return RecordRatios(None)
+    hw = cfg.hardware
+    tolerance = float(hw.get("load_ratio_tolerance") or DEFAULT_TOLERANCE)
+    steps = int(hw.get("ratio_probe_steps") if hw.get("ratio_probe_steps") is not None else PROBE_STEPS)
+    probe = None
+    if params.kind == "emulated":
+        if steps > 0:
+            model = probe_model(checkpoint, method.dtype, method.device)
+            probe = lambda: measure_layer_step(model, steps=steps)
+        elif params.per_layer_step_s:
+            probe = lambda: params.per_layer_step_s
+    return RecordRatios(LoadRatioMonitor(rt.link, params, probe, tolerance))
+
+
+def ratio_summary(records) -> dict[str, Any]:
+    """Mean effective ratio, its range and the flagged count of a set of records (a DataFrame)."""
+    eff = records["effective_load_ratio"].dropna() if "effective_load_ratio" in records else []
+    off = records["load_ratio_off"].dropna() if "load_ratio_off" in records else []
+    return {"effective_load_ratio": float(eff.mean()) if len(eff) else None,
+            "effective_load_ratio_min": float(eff.min()) if len(eff) else None,
+            "effective_load_ratio_max": float(eff.max()) if len(eff) else None,
+            "load_ratio_off": int(off.sum()) if len(off) else None}
+
+
+__all__ = ["EffectiveRatio", "PROBE_STEPS", "RecordRatios", "probe_model", "ratio_summary", "run_load_ratios"]
