@@ -64,7 +64,11 @@ def real_expert_count(cfg: DictConfig) -> int:
     """Routed experts of the real model a tiny one mirrors (the presets are counts of those)."""
     real = cfg.model.get("real")
     if cfg.model.source != "tiny" or not real:
-        return int(cfg.model.num_experts)
+        published = cfg.model.get("published") or {}
+        count = published.get("num_experts") or cfg.model.get("num_experts")
+        if count is None:
+            raise ConfigError(f"model {cfg.model.name}: no published expert count to scale SpecMoEOff's residents by")
+        return int(count)
     return int(OmegaConf.load(CONF_DIR / "model" / f"{real}.yaml").published.num_experts)  # the published checkpoint's
 
 

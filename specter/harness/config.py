@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from specter.harness.config_error import ConfigError  # torch-free, so the row store and figures can raise it
 from specter.harness.datasets import DATASETS
 from specter.kernels.select import KERNELS as DRAFT_KERNELS
 from specter.models.loading import DTYPES
@@ -19,9 +20,6 @@ if TYPE_CHECKING:
     from specter.models.facts import CheckpointFacts
 
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what to change."""
 
 
 def _require(cond: bool, msg: str) -> None:

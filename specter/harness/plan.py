@@ -140,7 +140,7 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
     config = config if config is not None else plan_model_config(cfg)
     f = model_facts(config, dtype)
     L, E, eb = f.moe_layers, f.num_experts, f.expert_bytes
-    if E != int(cfg.model.num_experts):
+    if cfg.model.get("num_experts") is not None and E != int(cfg.model.num_experts):  # null: the config's own count
         raise ConfigError(f"{cfg.model.name}: the config has {E} routed experts, model.num_experts says {cfg.model.num_experts}")
     budget = budget_bytes(cfg, f.full_bytes)
     P, N = int(cfg.prefix_tokens), int(cfg.max_new_tokens)
@@ -191,7 +191,10 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
         int4_draft=draft, scratch_K=scratch(K, 1), scratch_0=scratch(0, 1), mo_staging=int(sm.staging_buffers),
         budget=budget, specter_staging=sp.get("staging_buffers"),
         staging_per_layer=float(sp.get("staging_per_layer", 1.2)))
-    preset = (sm.get("presets") or {}).get(cfg.model.name, {}).get(cfg.memory.name)
+    from specter.models.facts import facts_from_config, matching_preset
+
+    found = matching_preset(sm.get("presets"), facts_from_config(config))  # presets bind to checkpoint facts
+    preset = (found[1].get("slots") or {}).get(cfg.memory.name) if found else None
     M_sm = sm.get("residents") if sm.get("residents") is not None else preset if preset is not None else derivation["resident"]
     source = "method.residents" if sm.get("residents") is not None else "preset" if preset is not None else "derived"
     for B in sizes:

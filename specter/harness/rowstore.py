@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specter.harness.config import ConfigError
+from specter.harness.config_error import ConfigError
 from specter.paths import atomic_write_bytes
 
 
