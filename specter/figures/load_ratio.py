@@ -52,7 +52,7 @@ def sweep_table(results: ResultSet) -> pd.DataFrame:
         if col not in table:
             table[col] = np.nan
     key = ["model", "memory", "load_ratio"]
-    base = table[table.method == BASELINE].set_index(key).tpot_ms
+    base = table[table.method == BASELINE].groupby(key).tpot_ms.median()  # one per cell, even if two sweeps hold it
     idx = pd.MultiIndex.from_frame(table[key])
     table["speedup_vs_offload_ar"] = base.reindex(idx).to_numpy() / table.tpot_ms.to_numpy()
     table["_m"] = table.model.map({m: i for i, m in enumerate(order_models(table.model))})
