@@ -241,7 +241,7 @@ class ResultSet:
 
 def _schemas() -> dict[str, Any]:
     from specter.harness.artifacts import SIDE_TABLES
-    from specter.harness.batch import BATCH_SCHEMA
+    from specter.harness.batch_schema import BATCH_SCHEMA
     from specter.harness.records import SCHEMA as RECORDS
 
     return {"records.csv": RECORDS, "batch.csv": BATCH_SCHEMA,

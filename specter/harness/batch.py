@@ -32,26 +32,17 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specter.harness.batch_schema import BATCH_COLUMNS, BATCH_SCHEMA
 from specter.harness.config import ConfigError, validate
 from specter.harness.methods import Method, build_method
 from specter.harness.output import check_weights, run_folder, write_environment
 from specter.harness.records import RecordWriter, record_key, text_digest, token_digest
-from specter.harness.rowstore import RowStore, RowStoreError, Schema, read_frame, read_table
+from specter.harness.rowstore import RowStore, RowStoreError, read_frame, read_table
 from specter.harness.run import environment_of, prepare, provenance_of, record_seed
 from specter.offload.budget import MB, Footprint
 from specter.paths import atomic_write_text
 from specter.speculative.batched import BatchRun
 from specter.speculative.sampling import make_generator
-
-BATCH_COLUMNS = (
-    # the columns the figure code reads (specter/figures/batching.py)
-    "method", "model", "memory", "batch_size", "dataset", "tpot_median_ms", "tpot_p90_ms", "throughput_tok_s",
-    "distinct_experts_per_layer", "h2d_bytes_per_token", "acceptance",
-    # more of the same measurement
-    "repeat", "hardware", "K", "resident_experts", "requests", "batches", "new_tokens", "wall_s", "tpot_mean_ms",
-    "ttft_median_ms", "accepted_fraction", "iterations", "h2d_bytes", "demand_hits", "demand_misses",
-    "copy_wait_ms", "oracle_h2d_bytes", "prefetch_recall", "kv_compactions", "footprint_mb", "budget_mb",
-)
 
 
 def batch_sizes(cfg: DictConfig) -> list[int]:
@@ -105,13 +96,6 @@ def refusal(method: Method, B: int) -> str | None:
 
 
 # ---------------------------------------------------------------------------------- batch.csv
-BATCH_TEXT = frozenset({"method", "model", "memory", "dataset", "hardware"})
-BATCH_SCHEMA = Schema(
-    "batch", BATCH_COLUMNS, ("dataset", "repeat"), text=BATCH_TEXT,
-    integers=frozenset({"batch_size", "repeat", "requests", "batches", "new_tokens", "iterations"}),
-    required=("method", "model", "memory", "batch_size", "dataset", "repeat", "requests", "batches", "new_tokens",
-              "wall_s"),
-)
 
 
 class BatchTable:
