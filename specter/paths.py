@@ -119,13 +119,18 @@ def content_sha256(path: Path, memo: dict[str, Any] | None = None) -> tuple[str,
     return digest, True
 
 
-def load_digest_memo(folder: Path) -> dict[str, Any]:
-    """The digest memo of a folder (empty when missing or unreadable: everything is hashed again)."""
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; empty when the file is missing, unreadable or not an object."""
     try:
-        data = json.loads((Path(folder) / DIGEST_MEMO).read_text())
+        data = json.loads(Path(path).read_text())
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def load_digest_memo(folder: Path) -> dict[str, Any]:
+    """The digest memo of a folder (empty when missing or unreadable: everything is hashed again)."""
+    return read_json_object(Path(folder) / DIGEST_MEMO)
 
 
 def save_digest_memo(folder: Path, memo: dict[str, Any]) -> None:

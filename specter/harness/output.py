@@ -32,8 +32,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.config import ConfigError
-from specter.harness.records import parse_records
-from specter.paths import atomic_write_text
+from specter.harness.records import parse_records, text_digest
+from specter.paths import atomic_write_text, read_json_object
 
 # May differ between resumed runs: they change neither what is measured nor how.
 VOLATILE_KEYS = ("progress", "verbose", "output_dir", "allow_hub", "assets_dir", "hardware.recalibrate")
@@ -158,7 +158,7 @@ def _check_provenance(out: Path, provenance: dict[str, Any], finished: int) -> N
 def _check_prompts(out: Path, prompts: dict[str, list[str]], base: dict[str, str]) -> None:
     """Finished records must have been measured on the prompts this run would give them (their
     `prompt_sha256`): checked before anything is written, so a refused start changes nothing."""
-    from specter.harness.records import parse_records, record_key, text_digest
+    from specter.harness.records import record_key
 
     try:
         text = (out / "records.csv").read_text(encoding="utf-8")
@@ -169,12 +169,17 @@ def _check_prompts(out: Path, prompts: dict[str, list[str]], base: dict[str, str
         digest = values.get("prompt_sha256", "")
         if not digest or (base and tuple(key[:3]) != (base.get("method"), base.get("model"), base.get("memory"))):
             continue
-        ds, i = key[3], int(key[4])
-        texts = prompts.get(ds)
-        if texts is not None and i < len(texts) and text_digest(texts[i]) != digest:
-            raise ConfigError(f"{out}: the finished record for {ds} prompt {i} was measured on another prompt "
-                              f"(prompt_sha256 {digest[:12]}, now {text_digest(texts[i])[:12]}); resuming would "
-                              "mix two prompt sets: use the original assets_dir, or another output_dir")
+        refuse_other_prompt(out, key[3], int(key[4]), digest, prompts)
+
+
+def refuse_other_prompt(out: Path, ds: str, i: int, digest: str, prompts: dict[str, list[str]]) -> None:
+    """A finished record of `ds` prompt `i` (prompt_sha256 `digest`) must have been measured on the
+    prompt this run would give it: else resuming would mix two prompt sets."""
+    texts = prompts.get(ds)
+    if texts is not None and i < len(texts) and text_digest(texts[i]) != digest:
+        raise ConfigError(f"{out}: the finished record for {ds} prompt {i} was measured on another prompt "
+                          f"(prompt_sha256 {digest[:12]}, now {text_digest(texts[i])[:12]}); resuming would "
+                          "mix two prompt sets: use the original assets_dir, or another output_dir")
 
 
 @contextmanager
@@ -251,11 +256,7 @@ def remove_refused_start(out: Path, created: bool, before: set[str]) -> None:
 
 
 def read_provenance(out: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((Path(out) / PROVENANCE_NAME).read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return read_json_object(Path(out) / PROVENANCE_NAME)
 
 
 def check_weights(out: Path, digest: str, finished: int) -> None:

@@ -24,7 +24,7 @@ from specter.harness.config import ConfigError, resident_experts, validate
 from specter.harness.datasets import DatasetFormatError, PromptSet, expand_datasets, load_prompt_set
 from specter.harness.load_ratio import run_load_ratios
 from specter.harness.methods import Method, build_method
-from specter.harness.output import check_weights, run_folder, write_environment
+from specter.harness.output import check_weights, refuse_other_prompt, run_folder, write_environment
 from specter.harness.records import RecordWriter, text_digest, token_digest
 from specter.harness.runtime import device_and_dtype, model_checkpoint
 from specter.harness.summary import print_summary, write_summary
@@ -118,12 +118,7 @@ def _check_finished_prompts(out: Path, writer: RecordWriter, base: dict, prompts
     for key, digest in writer.prompt_digests.items():
         if not digest or tuple(key[:3]) != tuple(base.values()):
             continue
-        ds, i = key[3], int(key[4])
-        texts = prompts.get(ds)
-        if texts is not None and i < len(texts) and text_digest(texts[i]) != digest:
-            raise ConfigError(f"{out}: the finished record for {ds} prompt {i} was measured on another prompt "
-                              f"(prompt_sha256 {digest[:12]}, now {text_digest(texts[i])[:12]}); resuming would "
-                              "mix two prompt sets: use the original assets_dir, or another output_dir")
+        refuse_other_prompt(out, key[3], int(key[4]), digest, prompts)
 
 
 def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> None:
