@@ -230,7 +230,8 @@ def _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo: dict[int, list[tupl
         base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
         for B in fits:
             sub = size_config(cfg, B)
-            with run_folder(sub, provenance_of(prompt_sets)) as out:
+            with run_folder(sub, provenance_of(prompt_sets),
+                            prompts={ds: ps.texts for ds, ps in prompt_sets.items()}) as out:
                 records = RecordWriter(out / "records.csv")
                 check_weights(out, digest, records.finished)
                 fp = footprint_at(method, B)
