@@ -71,3 +71,18 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: int = 600):
         [sys.executable, str(REPO / "run.py"), *args],
         capture_output=True, text=True, cwd=cwd or REPO, env=env, timeout=timeout,
     )
+
+
+def cli_in_process(args: list[str], capsys) -> tuple[int, str, str]:
+    """`python run.py args` in-process: (exit status, stdout, stderr); the thread count is restored."""
+    import torch
+
+    from specter.harness import cli as cli_mod
+
+    threads = torch.get_num_threads()
+    try:
+        rc = cli_mod.main(args)
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    return rc, out, err

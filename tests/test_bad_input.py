@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, cli_in_process, run_cli
 from specter.harness import cli as cli_mod
 from specter.harness import run as run_mod
 
@@ -151,15 +151,7 @@ def files(tmp_path):
     }
 
 
-def cli(args: list[str], capsys) -> tuple[int, str, str]:
-    """`python run.py args` in-process: (exit status, stdout, stderr)."""
-    threads = torch.get_num_threads()
-    try:
-        rc = cli_mod.main(args)
-    finally:
-        torch.set_num_threads(threads)
-    out, err = capsys.readouterr()
-    return rc, out, err
+cli = cli_in_process
 
 
 def assert_one_line_error(rc: int, out: str, err: str, needle: str) -> str:

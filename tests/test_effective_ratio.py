@@ -8,8 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import FIXTURES
-from specter.harness import cli as cli_mod
+from conftest import FIXTURES, cli_in_process
 from specter.harness import load_ratio, runtime
 from specter.harness.records import COLUMNS
 from specter.offload.calibrate import (
@@ -25,14 +24,7 @@ BASE = ["num_prompts=1", "max_new_tokens=3", "warmup_tokens=0", "progress=false"
         "method=offload_ar", "memory=low", "hardware=emulated", "hardware.threads=1"]
 
 
-def cli(args: list[str], capsys) -> tuple[int, str, str]:
-    threads = torch.get_num_threads()
-    try:
-        rc = cli_mod.main(args)
-    finally:
-        torch.set_num_threads(threads)
-    out, err = capsys.readouterr()
-    return rc, out, err
+cli = cli_in_process
 
 
 def test_records_have_the_ratio_columns():
