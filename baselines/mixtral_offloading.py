@@ -2,37 +2,38 @@
 
 Greedy autoregressive decoding. Each MoE layer keeps an LRU cache of experts on the device; an
 expert the router asks for and the cache lacks is loaded on demand through the transfer link.
-No prefetch, no speculation. A pool of staging buffers shared by all layers (4, the original's
-default) takes loads while every slot of a layer is in use; it is device memory and counts
-against the budget.
+No prefetch, no speculation. A pool of staging buffers shared by all layers takes loads while
+every slot of a layer is in use; it is device memory and counts against the budget. Its size
+follows the resource rule every cache-owning method follows (`specter.offload.budget.staging_buffers`:
+what the tier's budget holds beyond the method's design, at most 1.2 per MoE layer); the
+original's fixed buffer_size of 4 is `method.staging_buffers=4`.
 
     mo_sc  same cache:  M slots per layer, the memory tier's resident experts (Specter's M)
-    mo_sm  same memory: the bytes Specter spends on its INT4 draft, its staging buffers and its
-                        (K+1)-token window (KV positions, activations, logits) become extra slots:
+    mo_sm  same memory: the bytes Specter spends on its INT4 draft and its (K+1)-token window
+                        (KV positions, activations, logits) become extra slots; its staging
+                        buffers are Specter's (the same count, so they cancel):
 
            M' = min(E, floor((F_specter − non_expert − staging − KV_1 − scratch_1) / (L · expert_bytes)))
 
-           F_specter = non_expert + M·L·expert_bytes + INT4 draft + KV_{K+1} + scratch_{K+1}
-                       + Specter's staging buffers (its default: as many as the budget still holds, ≤ cap),
+           F_specter = non_expert + M·L·expert_bytes + INT4 draft + KV_{K+1} + scratch_{K+1} + staging,
            the accounting every method's budget check uses; the numbers go to env.json.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from specter.harness.compose import CONF_DIR
 from specter.harness.config import ConfigError, effective_K
-from specter.harness.methods import Method, OffloadAR, auto_staging
-from specter.harness.runtime import build_runtime, final_runtime, scratch_bytes
-from specter.harness.schema import SpecterMethodConfig
+from specter.harness.methods import Method, OffloadAR
+from specter.harness.runtime import build_runtime, final_runtime, scratch_bytes, staging_for
 from specter.models.facts import matching_preset, read_facts
+from specter.offload.budget import Footprint, staging_buffers
 from specter.offload.runtime import Runtime
-from specter.spec import MethodSpec
 from specter.quant.draft import build_draft
 
 
@@ -40,12 +41,6 @@ class MixtralOffloading(OffloadAR):
     """MO-SC: the tier's M slots per layer plus the shared staging buffers."""
 
     name = "mo_sc"
-
-    def make_spec(self, cfg: DictConfig) -> MethodSpec:
-        staging = cfg.method.staging_buffers
-        if not isinstance(staging, int) or staging < 0:
-            raise ConfigError(f"method.staging_buffers must be an integer >= 0, got {staging!r}")
-        return super().make_spec(cfg)
 
     def environment(self) -> dict[str, Any]:
         return {**super().environment(), "staging_buffers": self.rt.cache.staging}
@@ -59,11 +54,12 @@ class MixtralOffloadingSM(MixtralOffloading):
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         Method.__init__(self, cfg, checkpoint)
         spec = self.spec
-        rt = build_runtime(spec, checkpoint, staging=spec.staging)  # the tier's M first: the model is loaded once
+        rt = build_runtime(spec, checkpoint)  # the tier's M first: the model is loaded once
         try:
             self.derivation = same_memory_residents(rt, K=effective_K(cfg), specter_resident=spec.resident,
                                                     prefix_tokens=cfg.prefix_tokens,
-                                                    max_new_tokens=cfg.max_new_tokens)
+                                                    max_new_tokens=cfg.max_new_tokens, staging=spec.staging,
+                                                    staging_per_layer=spec.staging_per_layer)
             found = matching_preset(cfg.method.get("presets"), read_facts(checkpoint))  # by the checkpoint's facts
             preset = (found[1].get("slots") or {}).get(cfg.memory.name) if found else None
             explicit = cfg.method.get("residents")
@@ -72,7 +68,12 @@ class MixtralOffloadingSM(MixtralOffloading):
                                        f"method.presets[{found[0]}]" if preset is not None else "derived"}
             if not isinstance(M, int) or not 1 <= M <= rt.om.num_experts:
                 raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {cfg.model.name} has {rt.om.num_experts}")
-            self.rt = final_runtime(rt, M, spec.staging, what=f"{cfg.model.name} mo_sm at memory={cfg.memory.name} (M={M})")
+            # Specter's staging count; with a preset's slots, no more than the rule leaves beside them
+            staging = self.derivation["staging_buffers"]
+            if M != self.derivation["resident"]:
+                design = replace(rt.footprint, cache_slots=M * len(rt.om.moe_layers) * rt.om.store.nbytes_per_expert)
+                staging = min(staging, staging_for(spec, rt, design))
+            self.rt = final_runtime(rt, M, staging, what=f"{cfg.model.name} mo_sm at memory={cfg.memory.name} (M={M})")
         except BaseException:
             rt.close()
             raise
@@ -93,35 +94,28 @@ def int4_draft_bytes(rt: Runtime) -> int:
     return per_layer * len(om.moe_layers)
 
 
-def specter_method_defaults() -> DictConfig:
-    """`method=specter` as the command line composes it with no overrides (schema + conf/method/specter.yaml)."""
-    data = OmegaConf.load(CONF_DIR / "method" / "specter.yaml")
-    data.pop("defaults", None)
-    return OmegaConf.merge(OmegaConf.structured(SpecterMethodConfig), data)
-
-
-def same_memory_residents(rt: Runtime, K: int, specter_resident: int, prefix_tokens: int,
-                          max_new_tokens: int) -> dict[str, Any]:
+def same_memory_residents(rt: Runtime, K: int, specter_resident: int, prefix_tokens: int, max_new_tokens: int,
+                          staging: int | None, staging_per_layer: float) -> dict[str, Any]:
     """MO-SM's slot count with the footprint accounting of the budget check, and its derivation."""
     om, fp = rt.om, rt.footprint
     seq1 = prefix_tokens + max_new_tokens + 1  # positions of an autoregressive run (K = 0)
     if fp.kv_cache % seq1:
         raise ValueError(f"KV bytes {fp.kv_cache} are not a multiple of the {seq1} positions they were sized for")
     cfgm, dtype = om.model.config, rt.cache.dtype
-    sm = specter_method_defaults()
     return same_memory_slots(
         non_expert=fp.non_expert, L=len(om.moe_layers), E=om.num_experts, expert_bytes=om.store.nbytes_per_expert,
         kv_token=fp.kv_cache // seq1, seq1=seq1, K=K, specter_resident=specter_resident,
         int4_draft=int4_draft_bytes(rt), scratch_K=scratch_bytes(cfgm, K, 1, dtype),
-        scratch_0=scratch_bytes(cfgm, 0, 1, dtype), mo_staging=rt.cache.staging, budget=rt.budget_bytes,
-        specter_staging=sm.staging_buffers, staging_per_layer=float(sm.staging_per_layer))
+        scratch_0=scratch_bytes(cfgm, 0, 1, dtype), budget=rt.budget_bytes, staging=staging,
+        staging_per_layer=staging_per_layer)
 
 
 def same_memory_slots(*, non_expert: int, L: int, E: int, expert_bytes: int, kv_token: int, seq1: int, K: int,
-                      specter_resident: int, int4_draft: int, scratch_K: int, scratch_0: int, mo_staging: int,
-                      budget: int, specter_staging: int | None, staging_per_layer: float) -> dict[str, Any]:
+                      specter_resident: int, int4_draft: int, scratch_K: int, scratch_0: int,
+                      budget: int, staging: int | None, staging_per_layer: float) -> dict[str, Any]:
     """The derivation of MO-SM's slots from the facts alone (bytes and counts, no model): what
-    `same_memory_residents` reports for a loaded runtime and the memory plan reports from a config."""
+    `same_memory_residents` reports for a loaded runtime and the memory plan reports from a config.
+    `staging` is the requested count (method.staging_buffers; None: the rule, applied to Specter)."""
     eb = expert_bytes
     specter = {
         "K": K, "resident": specter_resident, "non_expert": non_expert,
@@ -129,20 +123,20 @@ def same_memory_slots(*, non_expert: int, L: int, E: int, expert_bytes: int, kv_
         "kv_cache": kv_token * (seq1 + K), "scratch": scratch_K,
     }
     specter["total"] = sum(v for k, v in specter.items() if k not in ("K", "resident"))
-    # Specter's staging buffers, by its own rule: method.staging_buffers, else what the budget still holds (<= cap)
-    headroom = max(0, budget - specter["total"])
-    n_staging = specter_staging if specter_staging is not None else auto_staging(headroom, eb, L, staging_per_layer)
+    # Specter's staging buffers by the rule every cache-owning method follows; MO-SM holds as many
+    design = Footprint(non_expert, specter["cache_slots"], int4_draft, specter["kv_cache"], scratch_K)
+    n_staging = staging_buffers(staging, design, budget, eb, L, staging_per_layer)
     specter["staging_buffers"] = int(n_staging) * eb
     specter["total"] += specter["staging_buffers"]
-    staging = mo_staging * eb
-    fixed = non_expert + staging + kv_token * seq1 + scratch_0
+    staging_b = n_staging * eb
+    fixed = non_expert + staging_b + kv_token * seq1 + scratch_0
     slot_row = L * eb  # one more slot in every MoE layer
     resident = min(E, (specter["total"] - fixed) // slot_row)
     return {
         "formula": "M' = min(E, floor((F_specter - non_expert - staging - kv_1 - scratch_1) / (L * expert_bytes)))",
         "specter_footprint": specter,
-        "mo_sm_fixed": {"non_expert": non_expert, "staging_buffers": staging, "kv_cache": kv_token * seq1,
+        "mo_sm_fixed": {"non_expert": non_expert, "staging_buffers": staging_b, "kv_cache": kv_token * seq1,
                         "scratch": scratch_0, "total": fixed},
-        "L": L, "E": E, "expert_bytes": eb, "resident": int(resident),
+        "L": L, "E": E, "expert_bytes": eb, "resident": int(resident), "staging_buffers": int(n_staging),
         "mo_sm_footprint": fixed + int(resident) * slot_row,
     }

@@ -28,10 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from specter.harness.compose import CONF_DIR
 from specter.harness.config import ConfigError
 from specter.harness.methods import Method, Specter
-from specter.harness.runtime import build_runtime, final_runtime
+from specter.harness.runtime import build_runtime, final_runtime, staging_for
 from specter.models.loading import non_expert_bytes
 from specter.moe import MoERuntime
-from specter.offload.budget import Footprint
 from specter.predict.planner import PlannerConfig, PrefetchPlanner
 from specter.quant.draft import draft_forward
 from specter.spec import MethodSpec
@@ -88,8 +87,7 @@ class SpecMoEOff(Specter):
             raise ConfigError(f"method.residents has no entry for memory={cfg.memory.name} (it has {list(m.residents)})")
         E = int(cfg.model.num_experts)
         preset = max(1, min(E, round(int(m.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
-        return replace(super().make_spec(cfg), K=K, quant=m.quant, resident=preset, staging=0,
-                       prefetch=RouteFrequencyPlanner.name)
+        return replace(super().make_spec(cfg), K=K, quant=m.quant, resident=preset, prefetch=RouteFrequencyPlanner.name)
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         Method.__init__(self, cfg, checkpoint)  # not Specter's: its draft is a model of its own
@@ -108,7 +106,12 @@ class SpecMoEOff(Specter):
                               "scaled": spec.resident, "fit_in_budget": int(fits),
                               "used": int(min(spec.resident, fits))}
             M = self.residents["used"]
-            self.rt = final_runtime(rt, M, 0, draft_bytes=self.draft_bytes, extra_bytes=sum(self.draft_extra.values()),
+            design = replace(fp, cache_slots=M * slot_row, draft_experts=self.draft_bytes,
+                             draft_non_expert=self.draft_extra["non_expert"],
+                             kv_cache=fp.kv_cache + self.draft_extra["kv_cache"],
+                             scratch=fp.scratch + self.draft_extra["scratch"])
+            self.rt = final_runtime(rt, M, staging_for(spec, rt, design), draft_bytes=self.draft_bytes,
+                                    separate_draft=self.draft_extra,
                                     what=f"{spec.model} specmoeoff at memory={spec.memory} (M={M})")
             # The draft instance only ever runs in draft mode; the target's cache is never read through it.
             self.draft_moe = MoERuntime(self.rt.cache, draft=experts, draft_forward=draft_forward)
@@ -126,12 +129,6 @@ class SpecMoEOff(Specter):
 
     def drafter(self) -> SeparateDrafter:
         return self.separate
-
-    def batch_footprint(self, B: int) -> Footprint:
-        """At batch size B the separate draft's KV cache and scratch grow with B too."""
-        fp, d = self.rt.footprint, self.draft_extra
-        return replace(fp, kv_cache=B * fp.kv_cache, scratch=B * fp.scratch,
-                       draft_experts=fp.draft_experts + (B - 1) * (d["kv_cache"] + d["scratch"]))
 
     def environment(self) -> dict[str, Any]:
         return {**self.rt.environment(), "K": self.K, "draft_quant": self.quant, "draft_bytes": self.draft_bytes,

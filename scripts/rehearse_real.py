@@ -177,11 +177,12 @@ def rehearse_model(name: str, layers: int, device: str, dtype: str, quant: str, 
             same = None
             if method in OFFLOADING:
                 fp = env["method"]["footprint_bytes"]
-                fp_engine = sum(fp.values())
+                fp_engine = fp["total"]
                 p = plan[(method, 1)]
                 fp_plan = p.total
-                same = (fp["non_expert"], fp["cache_slots"], fp["draft_experts"], fp["kv_cache"], fp["scratch"]) == (
-                    p.non_expert, p.cache_slots, p.draft, p.kv_cache, p.scratch)
+                engine = (fp["non_expert"], fp["cache_slots"] + fp["staging"], fp["draft_experts"] + fp["draft_non_expert"],
+                          fp["kv_cache"], fp["scratch"])
+                same = engine == (p.non_expert, p.cache_slots, p.draft, p.kv_cache, p.scratch)
                 if not same:
                     failures.append(f"{name} {tier} {method}: engine footprint {fp} != plan "
                                     f"{(p.non_expert, p.cache_slots, p.draft, p.kv_cache, p.scratch)}")

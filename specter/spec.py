@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specter.models.loading import DTYPES
+from specter.offload.budget import STAGING_PER_LAYER
 from specter.predict.planner import PlannerConfig
 from specter.speculative.sampling import SamplingParams
 
@@ -63,8 +64,8 @@ class MethodSpec:
     schedule: str = "expert"  # verification schedule: expert | token
     # the device cache
     resident: int = 1  # M: slots per MoE layer
-    staging: int | None = 0  # staging buffers shared by all layers (None: what the budget still holds)
-    staging_per_layer: float = 1.2  # the cap of `staging=None`, per MoE layer
+    staging: int | None = None  # staging buffers shared by all layers (None: the one rule, offload.budget.staging_buffers)
+    staging_per_layer: float = STAGING_PER_LAYER  # the cap of `staging=None`, per MoE layer
     plan_cap: int | None = None  # at most this many experts per layer in a window's plan (a verifier's budget)
     budget: BudgetSpec = field(default_factory=BudgetSpec)
     link: LinkSpec = field(default_factory=LinkSpec)

@@ -159,11 +159,20 @@ def test_mo_sc_counts_staging_and_obeys_the_budget(tiny_checkpoint):
     m = build_method(_cfg("tiny_qwen", "low", "mo_sc"), tiny_checkpoint("tiny_qwen"))
     try:
         L, eb = len(m.rt.om.moe_layers), m.rt.om.store.nbytes_per_expert
-        assert m.rt.resident == 8 and m.rt.footprint.cache_slots == (8 * L + 4) * eb
-        total = m.rt.footprint.total
+        fp = m.rt.footprint
+        staging = min(round(1.2 * L), (m.rt.budget_bytes - (fp.total - fp.staging)) // eb)  # the one rule
+        assert m.rt.resident == 8 and fp.cache_slots == 8 * L * eb and fp.staging == staging * eb == m.rt.cache.staging * eb
+        total, design, n = fp.total, fp.total - fp.staging, m.rt.cache.staging
     finally:
         m.close()
-    too_small = (total - 1) / (1 << 20)
+    assert n > 0
+    tight = build_method(_cfg("tiny_qwen", "low", "mo_sc", f"memory.budget_mb={(total - 1) / (1 << 20)}"),
+                         tiny_checkpoint("tiny_qwen"))
+    try:  # a byte less: one staging buffer fewer, never over the budget
+        assert tight.rt.cache.staging == n - 1 and tight.rt.footprint.total <= total - 1
+    finally:
+        tight.close()
+    too_small = (design - 1) / (1 << 20)
     with pytest.raises(BudgetError, match="mo_sc"):
         build_method(_cfg("tiny_qwen", "low", "mo_sc", f"memory.budget_mb={too_small}"), tiny_checkpoint("tiny_qwen"))
 
@@ -197,7 +206,9 @@ def test_specmoeoff_draft_is_separate_and_paid_for(tiny_checkpoint):
         assert experts and all(mod.runtime is m.draft_moe is not m.rt.moe for mod in experts)
         env = m.environment()
         assert env["separate_draft_bytes"]["non_expert"] == m.rt.footprint.non_expert
-        assert m.rt.footprint.draft_experts == m.draft_bytes + sum(env["separate_draft_bytes"].values())
+        fp, sep = m.rt.footprint, env["separate_draft_bytes"]
+        assert (fp.draft_experts, fp.draft_non_expert) == (m.draft_bytes, sep["non_expert"])  # each in its column
+        assert fp.kv_cache == 2 * sep["kv_cache"] and fp.scratch == 2 * sep["scratch"]  # the draft's beside the target's
         # 12 of 16 residents do not fit beside the draft at this tier: capped to what does
         assert env["residents"]["scaled"] == 12 and m.rt.resident == env["residents"]["fit_in_budget"] < 12
         assert m.rt.footprint.total <= m.rt.budget_bytes
@@ -322,8 +333,9 @@ def test_run_writes_the_common_records(method, extra, tmp_path, tiny_checkpoint)
     env = json.loads((out / "env.json").read_text())["method"]
     if method == "mo_sm":
         assert rec.resident_experts.iloc[0] == env["same_memory_derivation"]["resident"] > 4
-    if method in ("mo_sc", "mo_sm"):
-        assert env["staging_buffers"] == 4
+    if method in ("mo_sc", "mo_sm", "specmoeoff"):  # the rule of every cache-owning method
+        assert env["staging_buffers"] == rec.staging_buffers.iloc[0] > 0
+        assert env["footprint_bytes"]["total"] == rec.footprint_bytes.iloc[0] <= env["budget_bytes"]
 
 
 @pytest.mark.parametrize("method,override,needle", [

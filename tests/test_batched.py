@@ -12,6 +12,7 @@ import torch
 from conftest import FIXTURES, TINY_MODELS, compose
 from transformers import DynamicCache
 
+from specter.harness.batch import footprint_at
 from specter.harness.methods import build_method
 from specter.models.loading import load_full_model
 from specter.speculative.autoregressive import generate_autoregressive
@@ -352,8 +353,11 @@ def test_batched_specmoeoff_equals_b1_greedy(tiny_checkpoint, reference):
         run = method.generate_batch(prompts, lengths, [None] * 5)
         assert run.tokens == [reference(name, ck, p, n) for p, n in zip(prompts, lengths)]
         assert len({round(r.stats["accepted_fraction"], 3) for r in run.requests}) > 1
-        fp1, fp4 = method.batch_footprint(1), method.batch_footprint(4)
-        assert fp4.draft_experts - fp1.draft_experts == 3 * (method.draft_extra["kv_cache"] + method.draft_extra["scratch"])
+        fp1, fp4 = footprint_at(method, 1), footprint_at(method, 4)
+        d, rt = method.draft_extra, method.rt
+        assert fp1.draft_non_expert == d["non_expert"] and fp1.kv_cache == rt.footprint.kv_cache
+        assert fp4.total - fp1.total == 3 * (fp1.kv_cache + fp1.scratch)  # the target's and the draft's, per request
+        assert fp1.kv_cache - d["kv_cache"] == d["kv_cache"]  # the draft's KV covers the target's positions
     finally:
         method.close()
 

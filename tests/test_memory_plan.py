@@ -99,9 +99,11 @@ def test_plan_matches_hand_computed_bytes(model, tier, M, budget_gb, K):
     spec8 = rows[("specter", 8)]
     assert spec8.kv_cache == 8 * kv_tok * seq_k and spec8.scratch == 8 * scratch_k
     ar = rows[("offload_ar", 1)]
-    assert ar.total == ne + M * L * eb + kv_tok * seq_0 + (8 * H + VOCAB[model]) * 2
+    base_ar = ne + M * L * eb + kv_tok * seq_0 + (8 * H + VOCAB[model]) * 2
+    staging_ar = min(round(1.2 * L), (budget - base_ar) // eb)  # the same rule on its own design
+    assert ar.staging == staging_ar and ar.total == base_ar + staging_ar * eb
     sc = rows[("mo_sc", 1)]
-    assert sc.total == ar.total + 4 * eb
+    assert (sc.staging, sc.total) == (ar.staging, ar.total)
     assert rows[("target_only", 1)].total == ne + L * E * eb + kv_tok * seq_0 + (8 * H + VOCAB[model]) * 2
 
 
@@ -120,6 +122,24 @@ def test_paper_tiers_fit_an_a100_40gb(model, tier):
         assert r.fits, f"{model} {tier} {method}: {r.total / 1e9:.2f} GB vs budget {r.budget / 1e9:.2f} GB"
     text = format_plan(cfg, list(rows.values()), facts)
     assert "specter at B=1" in text and "fits the tier's budget" in text
+
+
+@pytest.mark.parametrize("model,tier", PAPER_JOBS)
+def test_one_staging_rule_for_every_cache_owning_method(model, tier):
+    """Staging buffers are a runtime facility every cache-owning method gets by one rule (what the
+    budget holds beyond its design, at most 1.2 per MoE layer), and the ablation removes them from all."""
+    _, rows, facts = rows_of([f"model={model}", f"memory={tier}"])
+    L, eb = facts["moe_layers"], facts["expert_bytes"]
+    for method in ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "specter", "moe_spec"):
+        r = rows[(method, 1)]
+        design = r.total - r.staging * eb
+        if method == "mo_sm":  # Specter's count, so that the two hold the same memory
+            assert r.staging == rows[("specter", 1)].staging
+        elif r.budget is not None:
+            assert r.staging == max(0, min(round(1.2 * L), (r.budget - design) // eb)), method
+    for method in ("offload_ar", "mo_sc", "specmoeoff", "specter"):  # the ablation, method by method
+        _, ablated, _ = rows_of([f"model={model}", f"memory={tier}", f"method={method}", "method.staging_buffers=0"])
+        assert ablated[(method, 1)].staging == 0
 
 
 def test_mo_sm_and_specmoeoff_follow_their_presets():

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError
 from specter.harness.runners import runner_problem
-from specter.harness.runtime import build_runtime, final_runtime, gptq_draft_for, method_spec
+from specter.harness.runtime import build_runtime, final_runtime, gptq_draft_for, method_spec, staging_for
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats
 from specter.models.compact.decode import generate_compact
@@ -151,8 +151,14 @@ class OffloadAR(Method):
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         super().__init__(cfg, checkpoint)
-        self.rt = build_runtime(self.spec, checkpoint, staging=self.spec.staging)
-        self.rt.check_budget(self.spec.describe())
+        rt = build_runtime(self.spec, checkpoint)  # the tier's M slots: the design, before any staging buffer
+        try:
+            rt.check_budget(self.spec.describe())
+            self.rt = final_runtime(rt, self.spec.resident, staging_for(self.spec, rt, rt.footprint),
+                                    what=self.spec.describe())
+        except BaseException:
+            rt.close()
+            raise
 
     def reset(self) -> None:
         self.rt.cache.reset()  # initial residents, counters cleared; outside timing
@@ -179,7 +185,7 @@ class OffloadAR(Method):
         return run
 
     def static_fields(self) -> dict[str, Any]:
-        return {"schedule": self.rt.moe.schedule, "resident_experts": self.rt.resident}
+        return {"schedule": self.rt.moe.schedule, "resident_experts": self.rt.resident, **self.rt.record_fields()}
 
     def environment(self) -> dict[str, Any]:
         return self.rt.environment()
@@ -201,7 +207,7 @@ class Specter(Method):
         try:
             draft = self.build_draft_experts(rt)
             rt.check_budget(spec.describe())  # the M slots beside the draft, before any staging buffer
-            staging = self.staging_buffers(rt)
+            staging = staging_for(spec, rt, replace(rt.footprint, draft_experts=self.draft_bytes))
             self.rt = final_runtime(rt, spec.resident, staging, draft=draft, draft_bytes=self.draft_bytes,
                                     what=spec.describe())
         except BaseException:
@@ -244,18 +250,6 @@ class Specter(Method):
     def drafter(self) -> SharedDrafter | None:
         """The drafter (None: the shared-instance INT4 draft)."""
         return None
-
-    def staging_buffers(self, rt: Runtime) -> int:
-        """Staging buffers beyond the M slots: the spec's count, or (None) `auto_staging`."""
-        if self.spec.staging is not None:
-            return self.spec.staging
-        fp = replace(rt.footprint, draft_experts=self.draft_bytes)
-        per_request = fp.kv_cache + fp.scratch
-        # experiment=batch: leave the KV cache and scratch of the largest batch size that fits (one
-        # device layout for every size, so its batch-size curve measures batching alone)
-        batch = max([b for b in self.spec.batch_sizes if fp.total + (b - 1) * per_request <= rt.budget_bytes], default=1)
-        headroom = rt.budget_bytes - fp.total - (batch - 1) * per_request
-        return auto_staging(headroom, rt.om.store.nbytes_per_expert, len(rt.om.moe_layers), self.spec.staging_per_layer)
 
     def reset(self) -> None:
         self.rt.cache.reset()
@@ -320,7 +314,7 @@ class Specter(Method):
 
     def static_fields(self) -> dict[str, Any]:
         return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.schedule,
-                "prefetch": self.engine.prefetch, "resident_experts": self.rt.resident}
+                "prefetch": self.engine.prefetch, "resident_experts": self.rt.resident, **self.rt.record_fields()}
 
     def environment(self) -> dict[str, Any]:
         return {**self.rt.environment(), "K": self.K, "draft_quant": self.quant, "draft_bytes": self.draft_bytes,
@@ -343,14 +337,6 @@ def compact_decoder(cfg: DictConfig, model: torch.nn.Module):
     if model.config.model_type not in SUPPORTED:
         raise ConfigError(f"method.decode_path=compact supports {SUPPORTED}, not {model.config.model_type!r}")
     return build_compact(model, max_length=cfg.prefix_tokens + cfg.max_new_tokens + 8)
-
-
-def auto_staging(headroom_bytes: int, expert_bytes: int, moe_layers: int, per_layer: float) -> int:
-    """Whole experts the tier's budget still holds, at most `per_layer` per MoE layer (rounded).
-
-    The paper's artifact gives DeepSeek-V2-Lite and Qwen1.5-MoE 32 staging buffers for 26-27 MoE
-    layers; keeping the per-layer ratio keeps a 3-layer tiny model from holding a third of its experts."""
-    return max(0, min(round(per_layer * moe_layers), headroom_bytes // expert_bytes))
 
 
 class LosslessViolation(AssertionError):

@@ -9,7 +9,7 @@ budget check would compute — non-expert weights, expert slots, staging buffers
 and scratch for the protocol's context (`prefix_tokens + max_new_tokens` + the method's K+1) — against
 the tier's budget and the GPU's memory (`hardware.gpu_memory_gb`, default an A100 40 GB), and which
 batch sizes fit. The numbers come from the same functions the engine calls: the meta-device skeleton
-of `load_offloaded`, `scratch_bytes`, `budget_bytes`, `auto_staging`, MO-SM's `same_memory_slots`,
+of `load_offloaded`, `scratch_bytes`, `budget_bytes`, the staging rule, MO-SM's `same_memory_slots`,
 `draft_layer_nbytes`, llama.cpp's `gpu_layers_for_budget` and vLLM's `cpu_offload_gib`; the KV bytes
 are the config arithmetic that tests check against the engine's one-token measurement. The real
 models' config.json files ship in `specter/models/real_configs/` (a local checkpoint's own
@@ -50,7 +50,7 @@ class PlanRow:
     staging: int  # staging buffers shared by all layers
     non_expert: int
     cache_slots: int  # resident slots + staging buffers
-    draft: int  # INT4 draft experts (+ SpecMoEOff's separate non-expert copy, KV and scratch)
+    draft: int  # INT4 draft experts (+ SpecMoEOff's separate non-expert copy; its KV and scratch are in kv_cache, scratch)
     kv_cache: int
     scratch: int
     total: int
@@ -120,8 +120,8 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
     from baselines.mixtral_offloading import same_memory_slots
     from baselines.specmoeoff import real_expert_count
     from baselines.vllm_engine import cpu_offload_gib
-    from specter.harness.methods import auto_staging
     from specter.harness.runtime import budget_bytes, scratch_bytes
+    from specter.offload.budget import STAGING_PER_LAYER, staging_buffers
     from specter.models.footprint import model_facts
     from specter.models.loading import DTYPES
     from specter.quant.draft import draft_layer_nbytes
@@ -157,48 +157,55 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
 
     rows: list[PlanRow] = []
 
-    def add(method, B, resident, staging, draft_b, kv, scr, budget_b=budget, note="", non_expert=f.non_expert_bytes,
-            slots=None):
-        slots = (resident or 0) * L * eb + staging * eb if slots is None else slots
-        fp = Footprint(non_expert=non_expert, cache_slots=slots, draft_experts=draft_b, kv_cache=kv, scratch=scr)
-        rows.append(PlanRow(method, B, resident, staging, fp.non_expert, fp.cache_slots, fp.draft_experts,
-                            fp.kv_cache, fp.scratch, fp.total, budget_b, gpu, note))
+    def add(method, B, resident, n_staging, draft_b, kv, scr, budget_b=budget, note="", non_expert=f.non_expert_bytes,
+            draft_non_expert=0):
+        fp = Footprint(non_expert=non_expert, cache_slots=(resident or 0) * L * eb, draft_experts=draft_b, kv_cache=kv,
+                       scratch=scr, staging=n_staging * eb, draft_non_expert=draft_non_expert)
+        rows.append(PlanRow(method, B, resident, n_staging, fp.non_expert, fp.cache_slots + fp.staging,
+                            fp.draft_experts + fp.draft_non_expert, fp.kv_cache, fp.scratch, fp.total, budget_b, gpu,
+                            note))
 
     # target_only: every weight on the device (the reference and speed ceiling; not bound by the tier)
     for B in sizes:
         add("target_only", B, E, 0, 0, B * kv_tok * seq(0), scratch(0, B), budget_b=None,
             note="every expert on the device; not bound by the tier")
-    # offload_ar / mo_sc: the tier's M slots (+ MO's 4 staging buffers), autoregressive
+    def staging(name: str, design: Footprint, B: int) -> int:
+        """The staging rule every cache-owning method follows, on this method's design at batch size B."""
+        m = method_defaults(name, cfg)
+        requested = m.get("staging_buffers")
+        return staging_buffers(None if requested is None else int(requested), design, budget, eb, L,
+                               float(m.get("staging_per_layer", STAGING_PER_LAYER)))
+
+    # offload_ar / mo_sc: the tier's M slots, autoregressive, staging by the rule
     for name in ("offload_ar", "mo_sc"):
-        st = int(method_defaults(name, cfg).get("staging_buffers") or 0) if name == "mo_sc" else 0
         for B in sizes:
-            add(name, B, M, st, 0, B * kv_tok * seq(0), scratch(0, B))
-    # specter and moe_spec: shared-instance INT4 draft, K+1 window, staging from what the budget still holds
+            kv, scr = B * kv_tok * seq(0), scratch(0, B)
+            add(name, B, M, staging(name, Footprint(f.non_expert_bytes, M * L * eb, 0, kv, scr), B), 0, kv, scr)
+    # specter and moe_spec: shared-instance INT4 draft, K+1 window, staging by the rule
     K = effective_K(cfg)
     for name in ("specter", "moe_spec"):
-        m = method_defaults(name, cfg)
         for B in sizes:
             base = Footprint(f.non_expert_bytes, M * L * eb, draft, B * kv_tok * seq(K), scratch(K, B))
-            if m.get("staging_buffers") is not None:
-                st = int(m.staging_buffers)
-            else:
-                st = auto_staging(max(0, budget - base.total), eb, L, float(m.get("staging_per_layer", 1.2)))
-            add(name, B, M, st, draft, base.kv_cache, base.scratch, note=f"K={K}")
-    # mo_sm: Specter's bytes (B=1) as extra slots, or the artifact's preset
-    sm, sp = method_defaults("mo_sm", cfg), method_defaults("specter", cfg)
+            add(name, B, M, staging(name, base, B), draft, base.kv_cache, base.scratch, note=f"K={K}")
+    # mo_sm: Specter's bytes (B=1) as extra slots, or the artifact's preset; Specter's staging count
+    sm = method_defaults("mo_sm", cfg)
     derivation = same_memory_slots(
         non_expert=f.non_expert_bytes, L=L, E=E, expert_bytes=eb, kv_token=kv_tok, seq1=seq(0), K=K, specter_resident=M,
-        int4_draft=draft, scratch_K=scratch(K, 1), scratch_0=scratch(0, 1), mo_staging=int(sm.staging_buffers),
-        budget=budget, specter_staging=sp.get("staging_buffers"),
-        staging_per_layer=float(sp.get("staging_per_layer", 1.2)))
+        int4_draft=draft, scratch_K=scratch(K, 1), scratch_0=scratch(0, 1), budget=budget,
+        staging=None if sm.get("staging_buffers") is None else int(sm.staging_buffers),
+        staging_per_layer=float(sm.get("staging_per_layer", STAGING_PER_LAYER)))
     from specter.models.facts import facts_from_config, matching_preset
 
     found = matching_preset(sm.get("presets"), facts_from_config(config))  # presets bind to checkpoint facts
     preset = (found[1].get("slots") or {}).get(cfg.memory.name) if found else None
     M_sm = sm.get("residents") if sm.get("residents") is not None else preset if preset is not None else derivation["resident"]
     source = "method.residents" if sm.get("residents") is not None else "preset" if preset is not None else "derived"
+    st_sm = derivation["staging_buffers"]
+    if int(M_sm) != derivation["resident"]:  # a preset's slots: no more staging than the rule leaves beside them
+        st_sm = min(st_sm, staging("mo_sm", Footprint(f.non_expert_bytes, int(M_sm) * L * eb, 0, kv_tok * seq(0),
+                                                      scratch(0, 1)), 1))
     for B in sizes:
-        add("mo_sm", B, int(M_sm), int(sm.staging_buffers), 0, B * kv_tok * seq(0), scratch(0, B),
+        add("mo_sm", B, int(M_sm), st_sm, 0, B * kv_tok * seq(0), scratch(0, B),
             note=f"{source}; derived M'={derivation['resident']}")
     # specmoeoff: K=3, a separate draft (own non-expert copy, INT4 experts, KV, scratch), preset residents capped
     so = method_defaults("specmoeoff", cfg)
@@ -208,8 +215,10 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
     fixed = f.non_expert_bytes + kv1 + scr1 + draft + f.non_expert_bytes + kv1 + scr1
     fit = max(1, (budget - fixed) // (L * eb))
     M_so = int(min(preset_so, fit))
+    st_so = staging("specmoeoff", Footprint(f.non_expert_bytes, M_so * L * eb, draft, 2 * kv1, 2 * scr1,
+                                            draft_non_expert=f.non_expert_bytes), 1)
     for B in sizes:
-        add("specmoeoff", B, M_so, 0, draft + f.non_expert_bytes + B * (kv1 + scr1), B * kv1, B * scr1,
+        add("specmoeoff", B, M_so, st_so, draft, 2 * B * kv1, 2 * B * scr1, draft_non_expert=f.non_expert_bytes,
             note=f"K={K_so}; preset {preset_so}, budget fits {fit}")
     # engines that place weights themselves, given the tier's budget (B=1 only: their batching is theirs)
     n_ctx = P + max(N, int(cfg.warmup_tokens)) + 1

@@ -39,8 +39,9 @@ COLUMNS = (
     "prefetch_precision", "prefetch_recall", "dropped_prefetches", "oracle_h2d_bytes",
     # lossy methods: quality against target-only decoding
     "expert_budget", "budget_mode", "first_divergence", "token_match_fraction", "target_nll",
-    # engines and memory
-    "peak_memory_bytes",
+    # engines and memory (the device layout: offload.runtime.Runtime.record_fields)
+    "peak_memory_bytes", "staging_buffers", "footprint_bytes", "budget_bytes", "slot_bytes", "staging_bytes",
+    "draft_bytes",
     # correctness and provenance
     "lossless_check", "prompt_sha256", "output_digest", "seed",
     # the emulated link as it ran (offload.calibrate.RATIO_COLUMNS)

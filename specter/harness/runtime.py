@@ -18,7 +18,7 @@ from specter.harness.load_ratio import probe_model
 from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
 from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
 from specter.moe import MoERuntime
-from specter.offload.budget import Footprint, kv_bytes_per_token
+from specter.offload.budget import Footprint, STAGING_PER_LAYER, kv_bytes_per_token, staging_buffers
 from specter.offload.cache import ExpertCache
 from specter.offload.calibrate import LinkParams, calibrated_link, fixed_link, measure_layer_step
 from specter.offload.link import make_link
@@ -78,8 +78,8 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
     device, _ = device_and_dtype(cfg)
     m, hw, mem = cfg.method, cfg.hardware, cfg.memory
     speculative = bool(m.get("speculative"))
-    staging = m.get("staging_buffers") if "staging_buffers" in m else 0
-    if staging is not None and (not isinstance(staging, int) or staging < 0):
+    staging = m.get("staging_buffers")  # null (every cache-owning method's default): the one rule
+    if staging is not None and (isinstance(staging, bool) or not isinstance(staging, int) or staging < 0):
         raise ConfigError(f"method.staging_buffers must be an integer >= 0 (or null = fit the budget), got {staging!r}")
     sizes = tuple(cfg.batch.sizes) if cfg.get("experiment") == "batch" and cfg.get("batch") else (1,)
     return MethodSpec(
@@ -91,7 +91,7 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
         planner_state=str(m.get("planner_state") or "warm"), schedule=str(m.get("schedule") or "expert"),
         resident=resident_experts(cfg),
         staging=staging,
-        staging_per_layer=float(m.get("staging_per_layer", 1.2)),
+        staging_per_layer=float(m.get("staging_per_layer", STAGING_PER_LAYER)),
         budget=budget_spec(cfg),
         link=LinkSpec(kind=str(hw.link), bandwidth_gbps=hw.get("bandwidth_gbps") or None,
                       latency_us=hw.get("latency_us"), load_ratio=float(cfg.model.get("load_ratio", 1.0)),
@@ -155,7 +155,8 @@ def build_runtime(spec: MethodSpec | DictConfig, checkpoint: Path, resident: int
         module.runtime = moe
     footprint = Footprint(
         non_expert=non_expert,
-        cache_slots=cache.device_bytes(),
+        cache_slots=cache.slot_bytes(),
+        staging=cache.staging_bytes(),
         draft_experts=0,
         kv_cache=batch_size * kv_bytes_per_token(om.model, device, dtype) * (spec.sequence_tokens + K + 1),
         scratch=scratch_bytes(om.model.config, K, batch_size, dtype),
@@ -165,12 +166,22 @@ def build_runtime(spec: MethodSpec | DictConfig, checkpoint: Path, resident: int
     return Runtime(om, cache, link, moe, params, footprint, spec.budget.resolve(full), M, digest)
 
 
+def staging_for(spec: MethodSpec, rt: Runtime, footprint: Footprint) -> int:
+    """The staging buffers of a cache-owning method whose design (slots, draft, KV, scratch; no
+    staging) takes `footprint` on `rt`: the one rule of `specter.offload.budget.staging_buffers`."""
+    design = replace(footprint, staging=0)
+    return staging_buffers(spec.staging, design, rt.budget_bytes, rt.om.store.nbytes_per_expert,
+                           len(rt.om.moe_layers), spec.staging_per_layer,
+                           per_request_bytes=design.kv_cache + design.scratch, batch_sizes=spec.batch_sizes)
+
+
 def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None = None, draft_bytes: int = 0,
-                  extra_bytes: int = 0, what: str = "") -> Runtime:
+                  separate_draft: dict[str, int] | None = None, what: str = "") -> Runtime:
     """The runtime a method decodes through, at its final size: `rt`'s model, host store and link, a
     cache of `resident` slots per layer and `staging` buffers (`rt`'s own when the size is the same),
-    a MoE runtime with the draft experts attached, the draft's bytes (and `extra_bytes`, e.g. a
-    separate draft's copy) in the footprint; refused if over budget. Nothing is reassigned after."""
+    a MoE runtime with the draft experts attached, the draft's bytes in the footprint (and a
+    separate draft's own `non_expert` copy, `kv_cache` and `scratch`); refused if over budget.
+    Nothing is reassigned after."""
     if not 1 <= resident <= rt.om.num_experts:
         raise ConfigError(f"{resident} resident experts per layer: need 1..{rt.om.num_experts}")
     old = rt.cache
@@ -179,7 +190,11 @@ def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None =
     moe = MoERuntime(cache, schedule=rt.moe.schedule, draft=draft, draft_forward=draft_forward if draft else None)
     for module in rt.om.experts.values():
         module.runtime = moe
-    footprint = replace(rt.footprint, cache_slots=cache.device_bytes(), draft_experts=draft_bytes + extra_bytes)
+    sep = separate_draft or {}
+    footprint = replace(rt.footprint, cache_slots=cache.slot_bytes(), staging=cache.staging_bytes(),
+                        draft_experts=draft_bytes, draft_non_expert=sep.get("non_expert", 0),
+                        kv_cache=rt.footprint.kv_cache + sep.get("kv_cache", 0),
+                        scratch=rt.footprint.scratch + sep.get("scratch", 0))
     final = replace(rt, cache=cache, moe=moe, resident=resident, footprint=footprint)
     final.check_budget(what + (f" with {staging} staging buffers" if staging else ""))
     return final

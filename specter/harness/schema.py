@@ -78,7 +78,12 @@ class MethodConfig:
 
 @dataclass
 class OffloadMethodConfig(MethodConfig):
+    """A method that owns an expert cache on the offloading runtime (offload_ar, mo_sc, mo_sm,
+    specmoeoff, specter, moe_spec): one staging rule for all of them (offload.budget.staging_buffers)."""
+
     schedule: str = "expert"  # target-mode schedule: expert | token
+    staging_buffers: Optional[int] = None  # extra expert buffers shared by all layers; null = what the budget fits
+    staging_per_layer: float = 1.2  # automatic count: at most this many per MoE layer (the paper's artifact: 32 for 26-27 layers)
 
 
 @dataclass
@@ -90,8 +95,6 @@ class SpecterMethodConfig(OffloadMethodConfig):
     planner_state: str = "warm"  # warm | cold | carry
     planner: dict[str, float] = field(default_factory=dict)  # PlannerConfig overrides
     trace_windows: bool = False  # write every window's pipeline events to trace.csv (host-timed links)
-    staging_buffers: Optional[int] = None  # extra expert buffers shared by all layers; null = what the budget fits
-    staging_per_layer: float = 1.2  # automatic count: at most this many per MoE layer (the paper's artifact: 32 for 26-27 layers)
 
 
 @dataclass
@@ -195,7 +198,8 @@ def register_schemas() -> None:
 # -- offloading baselines (runners in baselines/) ------------------------------------------------
 @dataclass
 class MixtralOffloadingMethodConfig(OffloadMethodConfig):
-    staging_buffers: int = 4  # device buffers shared by all layers for loads while a layer's slots are in use
+    """MO-SC: the offloading runtime's LRU cache as Mixtral-Offloading runs it (its buffer_size=4 is
+    method.staging_buffers=4; by default the staging rule of every cache-owning method)."""
 
 
 @dataclass

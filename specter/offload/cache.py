@@ -308,8 +308,15 @@ class ExpertCache:
 
     def device_bytes(self) -> int:
         """Footprint of all slots and staging buffers."""
-        own = sum(st.slots.numel() * st.slots.element_size() for st in self._layers.values())
-        return own + self._staging.numel() * self._staging.element_size()
+        return self.slot_bytes() + self.staging_bytes()
+
+    def slot_bytes(self) -> int:
+        """Footprint of the layers' own slots."""
+        return sum(st.slots.numel() * st.slots.element_size() for st in self._layers.values())
+
+    def staging_bytes(self) -> int:
+        """Footprint of the staging buffers shared by all layers."""
+        return self._staging.numel() * self._staging.element_size()
 
     def slot_buffer(self, layer: int, slot: int) -> torch.Tensor:
         """Flat device buffer of one slot (for inspection)."""

@@ -52,6 +52,13 @@ class Runtime:
 
     def environment(self) -> dict[str, Any]:
         return {"link": self.link_params.as_dict(), "resident_experts_per_layer": self.resident,
-                "expert_bytes": self.om.store.nbytes_per_expert, "moe_layers": self.om.moe_layers,
-                "footprint_bytes": self.footprint.__dict__, "budget_bytes": self.budget_bytes,
-                "weights_sha256": self.weights_digest}
+                "staging_buffers": self.cache.staging, "expert_bytes": self.om.store.nbytes_per_expert,
+                "moe_layers": self.om.moe_layers, "footprint_bytes": self.footprint.record(self.budget_bytes),
+                "budget_bytes": self.budget_bytes, "weights_sha256": self.weights_digest}
+
+    def record_fields(self) -> dict[str, int]:
+        """The record columns of this device layout (the same for every record of a run)."""
+        fp = self.footprint
+        return {"staging_buffers": self.cache.staging, "footprint_bytes": fp.total, "budget_bytes": self.budget_bytes,
+                "slot_bytes": fp.cache_slots, "staging_bytes": fp.staging,
+                "draft_bytes": fp.draft_experts + fp.draft_non_expert}
