@@ -132,3 +132,57 @@ def test_oracle_h2d_bytes_sums_layers():
     assert oracle_h2d_bytes(per_layer, 1, None, 10) == 10 * (3 + 1)
     assert oracle_h2d_bytes(per_layer, {3: 2, 4: 1}, {4: {0}}, 10) == 10 * (3 + 0)
 
+
+
+# ------------------------------------------------------------------ the bound for caches with staging buffers
+@st.composite
+def staged_traces(draw):
+    """Two layers' windows over 6 experts, M in 1..3 own slots per layer, 0..4 shared staging buffers,
+    and how many experts of each window are prefetched (into borrowed buffers when slots are full)."""
+    E = 6
+    M = draw(st.integers(1, 3))
+    S = draw(st.integers(0, 4))
+    T = draw(st.integers(1, 8))
+    windows = [{layer: draw(st.sets(st.integers(0, E - 1), min_size=1, max_size=E)) for layer in (1, 2)}
+               for _ in range(T)]
+    ahead = draw(st.lists(st.integers(0, M + S), min_size=T, max_size=T))
+    return E, M, S, windows, ahead
+
+
+@settings(max_examples=150, deadline=None)
+@given(staged_traces())
+def test_cache_with_staging_never_beats_the_M_slot_oracle(trace):
+    """The oracle of a method is the bound for its own M slots per layer, staging buffers included:
+    the buffers are lent only while a layer's own slots are all protected and given back before the
+    next window, so at every window boundary a layer holds M experts, which is all the M-slot model
+    assumes. Driven through the real ExpertCache: plans of up to M + S experts prefetched (borrowing
+    buffers), then every expert of the window acquired, released, and the mispredictions dropped."""
+    import torch
+
+    from specter.offload.cache import ExpertCache
+    from specter.offload.link import ImmediateLink
+    from specter.offload.store import ExpertLayout, ExpertUID, HostExpertStore
+
+    E, M, S, windows, ahead = trace
+    store = HostExpertStore(ExpertLayout(4, 2, torch.float32), [1, 2], E, pin_memory=False)
+    cache = ExpertCache(store, ImmediateLink(), {1: M, 2: M}, "cpu", torch.float32, staging=S)
+    initial = cache.initial_residents()
+    for window, n in zip(windows, ahead):
+        for layer, experts in window.items():
+            for e in sorted(experts)[:n]:  # a plan: prefetched and protected until consumed
+                cache.prefetch(ExpertUID(layer, e))
+        for layer, experts in window.items():
+            handles = []
+            for e in sorted(experts):
+                h = cache.acquire(ExpertUID(layer, e))
+                while h is None:  # every slot and buffer protected: release one computed expert first
+                    cache.release(handles.pop(0))
+                    h = cache.acquire(ExpertUID(layer, e))
+                handles.append(h)
+            for h in handles:
+                cache.release(h)
+        cache.release_prefetches()
+        assert all(len(cache.resident(layer)) == M for layer in (1, 2))  # buffers given back at the boundary
+    per_layer = {layer: [w[layer] for w in windows] for layer in (1, 2)}
+    bound = oracle_h2d_bytes(per_layer, M, initial, 1)
+    assert cache.counters.loads >= bound

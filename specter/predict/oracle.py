@@ -11,9 +11,14 @@ the model covers predictive and on-demand policies alike.
 of the future (MIN for unordered windows). It is therefore a lower bound on the H2D expert
 bytes of any execution that computes every target-routed expert on the device with at most M
 expert slots per layer: Specter's planner + residency manager, LRU caches, any prefetcher.
-It is not a bound for executions that hold more than M experts at once (extra staging
-buffers), skip experts (expert budgeting), or compute experts on the CPU. Timing is ignored:
-it bounds bytes, not stall time.
+Staging buffers do not loosen it: a layer borrows one only while its own slots are all
+protected and gives it back before the next window, so at every window boundary it holds M
+experts, and within a window the model already lets any number of experts pass through M
+slots one at a time (tests/test_oracle.py drives the real cache with staging against it). So
+each method's bound is this one at its own M (MO-SM's M', SpecMoEOff's M) over its own windows
+(`oracle_bytes`). It is not a bound for executions that keep more than M experts across a
+window boundary, skip experts (expert budgeting), or compute experts on the CPU. Timing is
+ignored: it bounds bytes, not stall time.
 
 Construction: plain Belady (evict the furthest next use) is not enough when windows are
 sets: the order inside a future window decides which expert survives it, so ties at the
@@ -95,7 +100,8 @@ def oracle_h2d_bytes(
 
 
 def oracle_bytes(rt, log) -> int:
-    """Fewest H2D bytes any M-slot policy could have moved for the target's actual per-window experts."""
+    """Fewest H2D bytes any policy with this runtime's own M slots per layer (staging buffers
+    included, see the module docstring) could have moved for the target's actual per-window experts."""
     layers = rt.om.moe_layers
     per_layer = {layer: [w.get(layer, set()) for w in log.windows] for layer in layers}
     capacity = {layer: rt.cache.capacity(layer) for layer in layers}
