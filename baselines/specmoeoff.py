@@ -11,8 +11,9 @@ What differs from Specter, and nothing else: the draft is a second model instanc
 every non-expert tensor plus INT4 routed experts, its whole footprint on the device and in the
 budget) with its own KV cache that re-reads what the target committed; K is short; prefetch
 points are fixed fractions of K ranked by route frequency (no bandwidth/step-time model); the
-target keeps fewer residents because the draft's copy takes their memory. Greedy output equals
-target-only decoding (same verification).
+target keeps fewer residents because the draft's copy takes their memory; a batch is decoded as
+two microbatches taking windows in turn on the one expert cache (`generate_microbatched`), as the
+Specter paper runs it. Greedy output equals target-only decoding (same verification).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class SpecMoEOff(Specter):
     """SpecMoEOff's preset: K=3, separate draft and KV, route-frequency prefetch, fewer residents."""
 
     name = "specmoeoff"
+    microbatches = 2  # the Specter paper's SpecMoEOff decodes a batch as two microbatches sharing one cache
 
     def make_spec(self, cfg: DictConfig) -> MethodSpec:
         m = cfg.method
@@ -119,8 +121,8 @@ class SpecMoEOff(Specter):
         except BaseException:
             rt.close()
             raise
-        self.separate = SeparateDrafter(self.draft_model, self.draft_moe)
         self.engine = self.make_engine(SpeculativeEngine)
+        self.batch_engines = []
         self.verify = spec.verify_lossless and self.params.temperature == 0
         self.tie_tolerance = spec.tie_tolerance
 
@@ -128,9 +130,10 @@ class SpecMoEOff(Specter):
         return RouteFrequencyPlanner(self.K, self.rt.om.store.nbytes_per_expert, self.cfg.method.prefetch_at)
 
     def drafter(self) -> SeparateDrafter:
-        return self.separate
+        """A drafter per engine (each microbatch keeps its own draft KV), over the one draft instance."""
+        return SeparateDrafter(self.draft_model, self.draft_moe)
 
     def environment(self) -> dict[str, Any]:
         return {**self.rt.environment(), "K": self.K, "draft_quant": self.quant, "draft_bytes": self.draft_bytes,
                 "separate_draft_bytes": self.draft_extra, "residents": self.residents,
-                "prefetch_steps": self.engine.planner.steps(), **self.draft_info}
+                "prefetch_steps": self.engine.planner.steps(), "microbatches": self.microbatches, **self.draft_info}

@@ -95,6 +95,28 @@ def test_batched_specter_equals_b1_greedy(name, memory, tiny_checkpoint, referen
         method.close()
 
 
+@pytest.mark.parametrize("microbatches", [2, 3])
+def test_microbatches_share_one_cache_and_equal_b1_greedy(microbatches, tiny_checkpoint, reference):
+    """Any number of microbatches over one runtime: each request's tokens are its B=1 greedy output,
+    and the I/O is the shared cache's (one count for the whole batch, not one per microbatch)."""
+    from specter.speculative.batched import generate_microbatched
+
+    name = "tiny_dsv2"
+    ck = tiny_checkpoint(name)
+    method = build_method(_cfg(name, "low", "K=4"), ck)
+    prompts = _prompts()[:5]
+    try:
+        engines = [method.make_batch_engine() for _ in range(microbatches)]
+        method.reset()
+        run = generate_microbatched(engines, prompts, 12)
+        assert run.tokens == [reference(name, ck, p, 12) for p in prompts]
+        assert [len(e.submitted) for e in engines] == ([3, 2] if microbatches == 2 else [2, 2, 1])
+        assert run.stats["h2d_bytes"] == method.rt.cache.counters.loads * method.rt.om.store.nbytes_per_expert
+        assert run.stats["oracle_h2d_bytes"] <= run.stats["h2d_bytes"]
+    finally:
+        method.close()
+
+
 def _corrupt_draft_of(moe) -> None:
     """A much worse draft (per-token scaled expert outputs): requests reject at different positions."""
     inner = moe.draft_forward
@@ -353,6 +375,11 @@ def test_batched_specmoeoff_equals_b1_greedy(tiny_checkpoint, reference):
         run = method.generate_batch(prompts, lengths, [None] * 5)
         assert run.tokens == [reference(name, ck, p, n) for p, n in zip(prompts, lengths)]
         assert len({round(r.stats["accepted_fraction"], 3) for r in run.requests}) > 1
+        # two microbatches (3 + 2 requests) taking windows in turn on the one cache
+        first, second = method.batch_engines
+        assert run.stats["microbatches"] == 2 and first.iterations > 0 and second.iterations > 0
+        assert run.stats["iterations"] == first.iterations + second.iterations
+        assert first.route_log is second.route_log and first.drafter is not second.drafter
         fp1, fp4 = footprint_at(method, 1), footprint_at(method, 4)
         d, rt = method.draft_extra, method.rt
         assert fp1.draft_non_expert == d["non_expert"] and fp1.kv_cache == rt.footprint.kv_cache

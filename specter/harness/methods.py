@@ -31,7 +31,12 @@ from specter.predict.planner import PrefetchPlanner
 from specter.quant.draft import build_draft
 from specter.spec import MethodSpec
 from specter.speculative.autoregressive import generate_autoregressive
-from specter.speculative.batched import BatchedAutoregressive, BatchedSpeculativeEngine, BatchRun
+from specter.speculative.batched import (
+    BatchedAutoregressive,
+    BatchedSpeculativeEngine,
+    BatchRun,
+    generate_microbatched,
+)
 from specter.speculative.drafter import SharedDrafter
 from specter.speculative.engine import SpeculativeEngine
 from specter.speculative.sampling import next_token
@@ -214,6 +219,7 @@ class Specter(Method):
             rt.close()
             raise
         self.engine = self.make_engine(SpeculativeEngine)
+        self.batch_engines: list[BatchedSpeculativeEngine] = []
         self.verify = spec.verify_lossless and self.params.temperature == 0
         self.tie_tolerance = spec.tie_tolerance
 
@@ -251,25 +257,25 @@ class Specter(Method):
         """The drafter (None: the shared-instance INT4 draft)."""
         return None
 
+    microbatches = 1  # a batch is decoded as this many microbatches sharing one expert cache
+
     def reset(self) -> None:
         self.rt.cache.reset()
-        self.engine.reset()
-        if getattr(self, "batch_engine", None) is not None:
-            self.batch_engine.reset()
+        for engine in [self.engine, *self.batch_engines]:
+            engine.reset()
 
     def warmed(self) -> None:
-        self.engine.mark_warm()
-        if getattr(self, "batch_engine", None) is not None:
-            self.batch_engine.mark_warm()
+        for engine in [self.engine, *self.batch_engines]:
+            engine.mark_warm()
 
     def make_batch_engine(self) -> BatchedSpeculativeEngine:
         """The batched form of this method's engine, over the same runtime and pieces."""
         return self.make_engine(BatchedSpeculativeEngine)
 
     def generate_batch(self, prompts, max_new_tokens, generators):
-        if getattr(self, "batch_engine", None) is None:
-            self.batch_engine = self.make_batch_engine()
-        run = self.batch_engine.generate_batch(prompts, max_new_tokens, generators)
+        if not self.batch_engines:  # one engine per microbatch, built at the first batch
+            self.batch_engines = [self.make_batch_engine() for _ in range(self.microbatches)]
+        run = generate_microbatched(self.batch_engines, prompts, max_new_tokens, generators)
         if self.verify:
             for prompt, req in zip(prompts, run.requests):
                 req.stats["lossless_check"] = self._check_lossless(prompt, req.tokens)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -467,16 +468,59 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
         return {"K": self.K, **acceptance_stats(req.drafted, req.accepted)}
 
     def batch_stats(self) -> dict[str, Any]:
-        t = self.trace
-        stats = {
-            "K": self.K,
-            "iterations": self.iterations,
-            "kv_compactions": self.kv.compactions,
-            "distinct_experts_per_layer": working_set(self.route_log, self.verify_windows, self.layers),
-            **io_stats(self.cache, self.rt.link.busy_seconds - self._busy0),
-            "prefetch_precision": t.predicted_hits / t.predicted if t.predicted else None,
-            "prefetch_recall": t.predicted_hits / t.actual_capped if t.predicted and t.actual_capped else None,
-            "dropped_prefetches": t.dropped_prefetches,
-            "oracle_h2d_bytes": oracle_bytes(self.rt, self.route_log),
-        }
-        return stats
+        return speculative_run_stats([self])
+
+
+def speculative_run_stats(engines: Sequence[BatchedSpeculativeEngine]) -> dict[str, Any]:
+    """Batch-level columns of one run decoded by `engines` over one runtime (one engine, or the
+    microbatches of `generate_microbatched`, which share one route log): I/O of the shared cache and
+    link, the working set over every verification, prefetch scores summed over the microbatches."""
+    first = engines[0]
+    traces = [e.trace for e in engines]
+    predicted, hits = sum(t.predicted for t in traces), sum(t.predicted_hits for t in traces)
+    capped = sum(t.actual_capped for t in traces)
+    return {
+        "K": first.K,
+        "iterations": sum(e.iterations for e in engines),
+        "kv_compactions": sum(e.kv.compactions for e in engines),
+        "distinct_experts_per_layer": working_set(first.route_log, sorted(w for e in engines for w in e.verify_windows),
+                                                  first.layers),
+        **io_stats(first.cache, first.rt.link.busy_seconds - first._busy0),
+        "prefetch_precision": hits / predicted if predicted else None,
+        "prefetch_recall": hits / capped if predicted and capped else None,
+        "dropped_prefetches": sum(t.dropped_prefetches for t in traces),
+        "oracle_h2d_bytes": oracle_bytes(first.rt, first.route_log),
+    }
+
+
+def generate_microbatched(engines: Sequence[BatchedSpeculativeEngine], prompts: list[torch.Tensor],
+                          max_new_tokens: int | list[int],
+                          generators: list[torch.Generator | None] | None = None) -> BatchRun:
+    """Decode the prompts as ``len(engines)`` microbatches over one runtime: contiguous slices of the
+    prompts, each on its own engine (its own KV, draft state, ELB and planner), taking windows in
+    turn on the one expert cache and link (SpecMoEOff's batched schedule: a microbatch's prefetches
+    may evict what the other one loaded). Outputs in prompt order; at temperature 0 each request's
+    tokens equal its B=1 output. Fewer prompts than engines use fewer microbatches."""
+    n = len(prompts)
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    gens = generators if generators is not None else [None] * n
+    if len(limits) != n or len(gens) != n:
+        raise ValueError("prompts, max_new_tokens and generators must have the same length")
+    if not engines or any(e.rt is not engines[0].rt for e in engines):
+        raise ValueError("microbatches need at least one engine, all over the same runtime")
+    bounds = [-(-i * n // len(engines)) for i in range(len(engines) + 1)]  # the first microbatches take the extra
+    parts = [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    used = list(engines[:len(parts)])
+    for engine in used:
+        engine.begin_run()
+    for engine in used[1:]:  # one log of verification windows in time order: one working set, one oracle
+        engine.route_log = used[0].route_log
+    reqs: list[Request] = [None] * n  # type: ignore[list-item]
+    for engine, part in zip(used, parts):
+        for i in part:
+            reqs[i] = engine.submit(prompts[i], limits[i], gens[i], rid=i)
+    while any(e.queue or e.active for e in used):
+        for engine in used:
+            if engine.queue or engine.active:
+                engine.step()
+    return BatchRun(reqs, {**speculative_run_stats(used), "microbatches": len(used)})
