@@ -315,3 +315,24 @@ def test_two_depths_in_one_cell_are_two_variants(tmp_path):
     main = ResultSet(root).records("main")
     assert set(main[main["memory"] == "high"]["variant"]) == {"specter[K=8]", "specter[K=16]"}
     assert set(main[main["memory"] == "low"]["variant"]) == {"specter"}
+
+
+# ---------------------------------------------------------------- item 1: what staging buffers buy
+def test_staging_ablation_is_drawn_apart_and_compared_per_method(tmp_path):
+    """The ablation runs (method.staging_buffers=0 under ablation/staging0) never split the main grid's
+    method, and fig_staging_ablation reads each method's gain beside its own main run."""
+    from specter.figures import staging
+
+    root = _grid(tmp_path / "results")
+    _run(root / "ablation" / "staging0" / "specter", "specter", "emulated", 15.0, K=16, prefetch="adaptive",
+         trace_windows=False, staging_buffers=0)
+    _run(root / "ablation" / "staging0" / "offload_ar", "offload_ar", "emulated", 33.0, staging_buffers=0)
+    results = ResultSet(root)
+    assert set(results.records("main")["variant"]) == {"specter", "offload_ar", "transformers", "target_only"}
+    table = staging.staging_table(results).set_index("method")
+    assert set(table.index) == {"specter", "offload_ar"}
+    assert table.loc["specter", "gain"] == pytest.approx(15.5 / 10.5)  # medians: 15+{0,1} over 10+{0,1}
+    assert table.loc["offload_ar", "gain"] == pytest.approx(33.5 / 30.5)
+    out = _out(tmp_path)
+    staging.build(results, out)
+    assert (out.folder / f"{staging.NAME}.png").exists() and (out.folder / f"{staging.NAME}.csv").exists()

@@ -97,6 +97,13 @@ def test_quick_plan(tmp_path):
     assert "k_sweep.values=[4,8,16]" in cmds["quick.k_sweep-tiny_dsv2-low"]
     assert cmds["quick.figures"][-4:] == ["--results", str(out), "--figures", str(tmp_path / "out" / "figures")]
     assert "--quick" in cmds["quick.bench-draft-kernel"]
+    # the staging ablation: every cache-owning method without staging buffers (QUICK: first model, low tier)
+    owning = [k for k in methods if k in ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "specter", "moe_spec")]
+    ablation = [n for n in names if ".ablation-" in n]
+    assert sorted(ablation) == sorted(f"quick.ablation-staging0-tiny_dsv2-low-{k}" for k in owning) and len(owning) == 6
+    for name in ablation:
+        assert "method.staging_buffers=0" in cmds[name] and "memory=low" in cmds[name]
+        assert any(a.startswith(f"output_dir={out}/ablation/staging0/") for a in cmds[name])
 
 
 def test_quick_plan_overrides_compose(tmp_path):

@@ -21,6 +21,7 @@ Outputs (missing inputs are skipped with a printed note, never drawn as placehol
   table_headline_speedup         Specter's TPOT speedup over each method                (records.csv)
   fig15_batch_tpot, fig16_batch_working_set, table3_batch, table_batch_scaling          (batch.csv)
   io_vs_oracle                   H2D bytes against the oracle                           (records.csv)
+  fig_staging_ablation           every cache-owning method with and without staging buffers (records.csv)
   verify_schedule                expert-wise vs token-wise verification                 (verify_schedule.csv)
   fig_load_ratio                 TPOT and Specter's speedup against the link's load ratio r (load_ratio.csv)
   paper_vs_here                  the paper's numbers beside ours, as ratios            (results/paper/*.csv)
@@ -43,6 +44,7 @@ from specter.figures import (
     load_ratio,
     paper_compare,
     routing,
+    staging,
     timeline,
     tpot_grid,
     verify_schedule,
@@ -59,6 +61,7 @@ FIGURES = (
     ("Headline speedups", headline),
     ("Figs. 15/16 + Table 3 batching", batching),
     ("I/O vs oracle", io_oracle),
+    ("Staging-buffer ablation", staging),
     ("Verification schedule", verify_schedule),
     ("TPOT against the load ratio", load_ratio),
     ("Paper vs here", paper_compare),

@@ -35,6 +35,7 @@ COSTS: dict[str, Cost] = {
     "train": Cost(180.0, 0.0),        # initialization/train_tiny.py: "about 3 CPU minutes each"
     "k_sweep": Cost(11.0, 1.2, 2.0),
     "main": Cost(11.0, 0.9),
+    "ablation": Cost(11.0, 0.9),      # main-grid runs with method.staging_buffers=0
     "batch": Cost(11.0, 0.7, 1.0),
     "trace": Cost(11.0, 0.5),
     "bench-draft-kernel": Cost(60.0, 0.0),   # ARTIFACT.md: --quick about 1 min

@@ -1,8 +1,9 @@
 """The steps of reproduce_all: each one's command, the steps it needs and the outputs that prove it ran.
 
 Order: check the datasets -> train the tiny models (once) -> K sweep per model and tier -> the main
-grid (models x tiers x methods) -> batching -> planner trace -> benchmarks (draft kernel,
-verification schedule, prefetch ablation) -> make_figures.py.
+grid (models x tiers x methods) -> the staging ablation (every cache-owning method with
+method.staging_buffers=0; QUICK: the first model's low tier) -> batching -> planner trace ->
+benchmarks (draft kernel, verification schedule, prefetch ablation) -> make_figures.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from specter.reproduce.settings import REPO, Settings
 FEEDS = {
     "k_sweep": "Fig. 7 K sweep",
     "main": "Fig. 14 TPOT grid, headline speedups, Fig. 13 routing, I/O vs oracle",
+    "ablation": "staging-buffer ablation (fig_staging_ablation)",
     "batch": "Figs. 15/16 + Table 3 batching",
     "trace": "Figs. 8/9 planner timeline",
     "bench-draft-kernel": "Figs. 10/11 draft kernel",
@@ -39,7 +41,7 @@ class Check:
 @dataclass(frozen=True)
 class Step:
     name: str                                  # "<mode>.<kind>-<what>", also its log and marker name
-    kind: str                                  # datasets | train | k_sweep | main | batch | trace | bench | figures
+    kind: str                                  # datasets | train | k_sweep | main | ablation | batch | trace | bench | figures
     argv: tuple[str, ...]
     needs: tuple[str, ...] = ()                # names of the steps whose outputs it reads
     checks: tuple[Check, ...] = ()             # its outputs; empty: rerun every time (datasets, figures)
@@ -70,6 +72,8 @@ class Plan:
 
 # methods that run with the tier's profiled K: Specter, and MoE-Spec (verification-time budgeting on Specter)
 PROFILED = ("specter", "moe_spec")
+# methods that own an expert cache: staging buffers by one rule, ablated together (method.staging_buffers=0)
+CACHE_OWNING = ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "specter", "moe_spec")
 
 
 def primary(ready: tuple[str, ...]) -> str:
@@ -150,6 +154,21 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                              [py, "run.py", "experiment=main", f"model={m}", f"memory={tier}", f"method={method}",
                               f"hardware={s.method_hardware(method)}", *ds, *trained_opt(m),
                               *quick_over(main, "main"), *assets, *extra, f"output_dir={out}"],
+                             needs=needs(m, *more), checks=(Check("run", out, data.ready),),
+                             records=n_ds * main.num_prompts * main.repeats, model=m, method=method)
+        # the staging ablation: the same runs with method.staging_buffers=0 (QUICK: the first model's low tier)
+        for m in s.models[:1] if s.quick else s.models:
+            for tier in ("low",) if s.quick else s.tiers:
+                for method in (x for x in s.methods if x in CACHE_OWNING):
+                    extra, more = [], ()
+                    if method in PROFILED:
+                        extra, more = [f"k_profile={_k_profile(s, m, tier)}"], sweep_of(m, tier)
+                    out = s.results / "ablation" / "staging0" / f"{m}-{method}-{tier}"
+                    plan.add("ablation", f"ablation-staging0-{m}-{tier}-{method}",
+                             [py, "run.py", "experiment=main", f"model={m}", f"memory={tier}", f"method={method}",
+                              f"hardware={s.method_hardware(method)}", *ds, *trained_opt(m),
+                              *quick_over(main, "main"), *assets, *extra, "method.staging_buffers=0",
+                              f"output_dir={out}"],
                              needs=needs(m, *more), checks=(Check("run", out, data.ready),),
                              records=n_ds * main.num_prompts * main.repeats, model=m, method=method)
     else:

@@ -25,6 +25,7 @@ FIGURE_INPUTS: dict[str, Callable[[Step], bool]] = {
     "Headline speedups": lambda s: s.kind == "main",
     "Figs. 15/16 + Table 3 batching": lambda s: s.kind == "batch",
     "I/O vs oracle": lambda s: s.kind == "main",
+    "Staging-buffer ablation": lambda s: s.kind == "ablation",
     "Verification schedule": lambda s: s.name.endswith("bench-verify"),
     "Paper vs here": lambda s: s.kind in ("main", "k_sweep", "batch"),
 }

@@ -1,0 +1,81 @@
+"""What staging buffers buy: each cache-owning method with the resource rule's staging buffers
+(the main grid) beside the same run with `method.staging_buffers=0` (an `ablation/staging0` folder).
+
+Every cache-owning method gets staging buffers by one rule (what the tier's budget holds beyond
+its design, at most 1.2 per MoE layer), so this is the same facility removed from all of them.
+gain = median TPOT without ÷ median TPOT with (> 1: the buffers helped).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from matplotlib.patches import Patch
+
+from specter.figures.common import (
+    Output,
+    Skip,
+    grouped_bars,
+    legend_above,
+    method_colors,
+    method_label,
+    model_label,
+    order_methods,
+    order_models,
+    order_tiers,
+    style_axes,
+    subplots,
+)
+from specter.figures.data import ResultSet
+
+NAME = "fig_staging_ablation"
+ABLATION = "staging0"  # the folder below ablation/ that holds the method.staging_buffers=0 runs
+CELL = ["model", "memory", "hardware", "method"]
+
+
+def _medians(records: pd.DataFrame, suffix: str) -> pd.DataFrame:
+    g = records.groupby(CELL)
+    out = pd.DataFrame({f"tpot_ms{suffix}": g["tpot_ms"].median()})
+    if "staging_buffers" in records.columns:
+        out[f"staging_buffers{suffix}"] = g["staging_buffers"].first()
+    if "footprint_bytes" in records.columns:
+        out[f"footprint_mb{suffix}"] = g["footprint_bytes"].first() / (1 << 20)
+    return out
+
+
+def staging_table(results: ResultSet) -> pd.DataFrame:
+    bench = results.records("bench")
+    if bench.empty or "run" not in bench.columns:
+        return pd.DataFrame()
+    ablated = bench[bench["run"].map(lambda r: f"ablation/{ABLATION}" in str(r).replace("\\", "/"))]
+    main = results.records("main")
+    if ablated.empty or main.empty:
+        return pd.DataFrame()
+    main = main[main["method"].isin(set(ablated["method"]))]
+    table = _medians(main, "").join(_medians(ablated, "_no_staging"), how="inner").reset_index()
+    table["gain"] = table["tpot_ms_no_staging"] / table["tpot_ms"]
+    return table
+
+
+def build(results: ResultSet, out: Output) -> None:
+    table = staging_table(results)
+    if table.empty:
+        raise Skip("no ablation/staging0 runs beside the main grid (reproduce_all runs them: method.staging_buffers=0)")
+    out.table(table, NAME, "What staging buffers buy: every cache-owning method with and without them", notes=[
+        "staging_buffers: the count the rule gave the main run (what the budget holds beyond the method's design, "
+        "at most 1.2 per MoE layer); _no_staging: the same run with method.staging_buffers=0.",
+        "gain = median TPOT without / with (> 1: the buffers helped)."])
+    methods = order_methods(table["method"])
+    colors = method_colors(methods)
+    models = order_models(table["model"])
+    fig, axes = subplots(1, len(models), w=3.6, h=2.8)
+    for ax, model in zip(axes[0], models):
+        d = table[table["model"] == model]
+        tiers = order_tiers(d["memory"])
+        present = [m for m in methods if m in set(d["method"])]
+        grouped_bars(ax, tiers, present, d, by="method", index="memory", value="gain", colors=colors)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
+        style_axes(ax, model_label(model), ylabel="TPOT without / with staging")
+    legend_above(fig, [Patch(color=colors[m]) for m in methods], [method_label(m) for m in methods])
+    fig.tight_layout()
+    out.figure(fig, NAME)
