@@ -21,12 +21,12 @@ original's fixed buffer_size of 4 is `method.staging_buffers=4`.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.config import ConfigError, effective_K
 from specter.harness.methods import Method, OffloadAR
@@ -35,6 +35,7 @@ from specter.models.facts import matching_preset, read_facts
 from specter.offload.budget import Footprint, staging_buffers
 from specter.offload.runtime import Runtime
 from specter.quant.draft import build_draft
+from specter.spec import MethodSpec
 
 
 class MixtralOffloading(OffloadAR):
@@ -46,34 +47,48 @@ class MixtralOffloading(OffloadAR):
         return {**super().environment(), "staging_buffers": self.rt.cache.staging}
 
 
+@dataclass(frozen=True)
+class SameMemorySpec(MethodSpec):
+    """MO-SM's spec: the common fields, plus what its slot count is derived from."""
+
+    specter_K: int = 0  # the K Specter runs at this tier (its window's KV and scratch are in its bytes)
+    residents: int | None = None  # method.residents: slots per layer, overriding preset and derivation
+    presets: tuple[dict, ...] = ()  # the paper artifact's slots, each bound to a checkpoint's facts
+
+
 class MixtralOffloadingSM(MixtralOffloading):
     """MO-SM: as many slots as Specter's device bytes at this tier pay for (or the artifact's preset)."""
 
     name = "mo_sm"
+
+    def make_spec(self, cfg: DictConfig) -> SameMemorySpec:
+        base = super().make_spec(cfg)
+        presets = OmegaConf.to_container(cfg.method.presets, resolve=True) if cfg.method.get("presets") else []
+        return SameMemorySpec(**{f.name: getattr(base, f.name) for f in fields(base)}, specter_K=effective_K(cfg),
+                              residents=cfg.method.get("residents"), presets=tuple(presets))
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         Method.__init__(self, cfg, checkpoint)
         spec = self.spec
         rt = build_runtime(spec, checkpoint)  # the tier's M first: the model is loaded once
         try:
-            self.derivation = same_memory_residents(rt, K=effective_K(cfg), specter_resident=spec.resident,
-                                                    prefix_tokens=cfg.prefix_tokens,
-                                                    max_new_tokens=cfg.max_new_tokens, staging=spec.staging,
+            self.derivation = same_memory_residents(rt, K=spec.specter_K, specter_resident=spec.resident,
+                                                    sequence_tokens=spec.sequence_tokens, staging=spec.staging,
                                                     staging_per_layer=spec.staging_per_layer)
-            found = matching_preset(cfg.method.get("presets"), read_facts(checkpoint))  # by the checkpoint's facts
-            preset = (found[1].get("slots") or {}).get(cfg.memory.name) if found else None
-            explicit = cfg.method.get("residents")
+            found = matching_preset(spec.presets, read_facts(checkpoint))  # by the checkpoint's facts
+            preset = (found[1].get("slots") or {}).get(spec.memory) if found else None
+            explicit = spec.residents
             M = explicit if explicit is not None else preset if preset is not None else self.derivation["resident"]
             self.derivation["used"] = {"resident": M, "from": "method.residents" if explicit is not None else
                                        f"method.presets[{found[0]}]" if preset is not None else "derived"}
             if not isinstance(M, int) or not 1 <= M <= rt.om.num_experts:
-                raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {cfg.model.name} has {rt.om.num_experts}")
+                raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {spec.model} has {rt.om.num_experts}")
             # Specter's staging count; with a preset's slots, no more than the rule leaves beside them
             staging = self.derivation["staging_buffers"]
             if M != self.derivation["resident"]:
                 design = replace(rt.footprint, cache_slots=M * len(rt.om.moe_layers) * rt.om.store.nbytes_per_expert)
                 staging = min(staging, staging_for(spec, rt, design))
-            self.rt = final_runtime(rt, M, staging, what=f"{cfg.model.name} mo_sm at memory={cfg.memory.name} (M={M})")
+            self.rt = final_runtime(rt, M, staging, what=f"{spec.model} mo_sm at memory={spec.memory} (M={M})")
         except BaseException:
             rt.close()
             raise
@@ -94,11 +109,11 @@ def int4_draft_bytes(rt: Runtime) -> int:
     return per_layer * len(om.moe_layers)
 
 
-def same_memory_residents(rt: Runtime, K: int, specter_resident: int, prefix_tokens: int, max_new_tokens: int,
+def same_memory_residents(rt: Runtime, K: int, specter_resident: int, sequence_tokens: int,
                           staging: int | None, staging_per_layer: float) -> dict[str, Any]:
     """MO-SM's slot count with the footprint accounting of the budget check, and its derivation."""
     om, fp = rt.om, rt.footprint
-    seq1 = prefix_tokens + max_new_tokens + 1  # positions of an autoregressive run (K = 0)
+    seq1 = sequence_tokens + 1  # positions of an autoregressive run (K = 0)
     if fp.kv_cache % seq1:
         raise ValueError(f"KV bytes {fp.kv_cache} are not a multiple of the {seq1} positions they were sized for")
     cfgm, dtype = om.model.config, rt.cache.dtype

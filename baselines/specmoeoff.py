@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,13 @@ from specter.quant.draft import draft_forward
 from specter.spec import MethodSpec
 from specter.speculative.drafter import SeparateDrafter
 from specter.speculative.engine import SpeculativeEngine
+
+
+@dataclass(frozen=True)
+class SpecMoEOffSpec(MethodSpec):
+    """SpecMoEOff's spec: the common fields, plus the draft-step fractions its prefetches follow."""
+
+    prefetch_at: tuple[float, ...] = (0.2, 0.6)
 
 
 class RouteFrequencyPlanner(PrefetchPlanner):
@@ -89,7 +96,9 @@ class SpecMoEOff(Specter):
             raise ConfigError(f"method.residents has no entry for memory={cfg.memory.name} (it has {list(m.residents)})")
         E = int(cfg.model.num_experts)
         preset = max(1, min(E, round(int(m.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
-        return replace(super().make_spec(cfg), K=K, quant=m.quant, resident=preset, prefetch=RouteFrequencyPlanner.name)
+        base = replace(super().make_spec(cfg), K=K, quant=m.quant, resident=preset, prefetch=RouteFrequencyPlanner.name)
+        return SpecMoEOffSpec(**{f.name: getattr(base, f.name) for f in fields(base)},
+                              prefetch_at=tuple(float(f) for f in m.prefetch_at))
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         Method.__init__(self, cfg, checkpoint)  # not Specter's: its draft is a model of its own
@@ -127,7 +136,7 @@ class SpecMoEOff(Specter):
         self.tie_tolerance = spec.tie_tolerance
 
     def planner(self) -> RouteFrequencyPlanner:
-        return RouteFrequencyPlanner(self.K, self.rt.om.store.nbytes_per_expert, self.cfg.method.prefetch_at)
+        return RouteFrequencyPlanner(self.K, self.rt.om.store.nbytes_per_expert, self.spec.prefetch_at)
 
     def drafter(self) -> SeparateDrafter:
         """A drafter per engine (each microbatch keeps its own draft KV), over the one draft instance."""

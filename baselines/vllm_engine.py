@@ -209,7 +209,7 @@ class Vllm(Method):
             raise WorkerError(f"the vLLM worker {what}{self._log_tail()}")
         reply = json.loads(line)
         if reply.get("unsupported"):
-            raise UnsupportedByVllm(f"method=vllm cannot run {self.cfg.model.name}: {reply.get('error')}")
+            raise UnsupportedByVllm(f"method=vllm cannot run {self.spec.model}: {reply.get('error')}")
         if not reply.get("ok"):
             raise WorkerError(f"vLLM failed at {msg['op']!r}: {reply.get('error')}{self._log_tail()}")
         return reply

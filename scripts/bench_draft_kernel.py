@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                     "on CPU, 128x128 on CUDA; none: real shapes only)")
     ap.add_argument("--real-tokens", type=int, nargs="*", default=None,
                     help="T at the real shapes (default: CPU 1 4, CUDA 1 4 16 64 256 1024; none: skip them)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per point (default 3; --quick 1)")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per point, median kept (default 15; --quick 5)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (0: torch's default; 1 avoids OpenMP waits on shared machines)")
     ap.add_argument("--skip", nargs="*", default=[], choices=METHODS, help="methods not to time")
@@ -254,8 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--marlin", action="store_true",
                     help="also time Marlin (CUDA; gptqmodel may compile its extension first, minutes)")
     ap.add_argument("--quick", action="store_true",
-                    help="small grid: T in {1,8,64}, E=64, k in {2,6}; on a CPU no real shapes")
+                    help="small grid: T in {1,8,64}, E=64, k in {2,6}, 5 timed calls per point; on a CPU no real shapes")
     args = ap.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 3
+    if args.reps is None:
+        args.reps = 5 if args.quick else 15
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("float16" if cuda else "bfloat16")]

@@ -45,6 +45,18 @@ class BudgetSpec:
 
 
 @dataclass(frozen=True)
+class CalibrationSpec:
+    """Where a GPTQ draft's calibration prompts come from: the run's own datasets, after the prompts
+    it evaluates (so no measured prompt calibrates its own draft)."""
+
+    prompts: int = 16  # calibration prompts in all, split over the datasets
+    datasets: tuple[str, ...] = ()
+    evaluated: int = 0  # prompts per dataset the run evaluates
+    assets_dir: str = "assets"
+    allow_hub: bool = False
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """A method run, typed: model and tier, device, speculation, prefetch, cache sizing, link, budget."""
 
@@ -57,6 +69,7 @@ class MethodSpec:
     # speculation (K = 0: autoregressive)
     K: int = 0
     quant: str | None = None  # draft experts: gptq | rtn (None: no draft)
+    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)  # quant=gptq
     draft_kernel: str = "auto"
     prefetch: str = "adaptive"  # planner policy (see specter.predict.planner.POLICIES)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
@@ -91,4 +104,5 @@ class MethodSpec:
         """The spec as env.json records it (plain values only)."""
         out = asdict(self)
         out["batch_sizes"] = list(self.batch_sizes)
+        out["calibration"]["datasets"] = list(self.calibration.datasets)
         return out

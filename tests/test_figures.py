@@ -51,6 +51,7 @@ def make_results(root: Path, with_trace: bool = True) -> Path:
     _run(root / "main" / "tiny_dsv2-zeta_offload-high", "zeta_offload")
     _run(root / "main" / "tiny_dsv2-specter-high-b4", "specter", batch_size=4, prefetch="adaptive")  # not Fig. 14
     _run(root / "batch" / "tiny_dsv2-specter-high" / "B=1", "specter", prefetch="adaptive")  # nor a batch's B=1
+    _run(root / "ablation" / "staging0" / "tiny_dsv2-offload_ar-high", "offload_ar", staging_buffers=0)  # nor this
     # K sweep (Fig. 7): chosen K = 8 recorded in k_profile.json; a K= point is not a main-grid record
     ks = root / "k_sweep" / "tiny_dsv2-low-emulated"
     ks.mkdir(parents=True)
@@ -146,7 +147,7 @@ def test_every_figure_written_as_png_and_pdf(built):
     figures, res = built
     for name in ("fig07_k_sweep", "fig09_planner_timeline", "fig10_draft_kernel_latency", "fig11_draft_kernel_speedup",
                  "fig13_routing", "fig14_tpot", "fig15_batch_tpot", "fig16_batch_working_set", "io_vs_oracle",
-                 "verify_schedule", "fig_load_ratio"):
+                 "verify_schedule", "fig_load_ratio", "fig_staging_ablation"):
         for ext in ("png", "pdf"):
             assert (figures / f"{name}.{ext}").stat().st_size > 1000, name
     for name in ("table_headline_speedup", "table3_batch", "table_batch_scaling", "paper_vs_here"):

@@ -8,6 +8,16 @@ import pandas as pd
 import pytest
 from conftest import FIXTURES, REPO, run_cli
 
+
+def _has_submitit() -> bool:
+    try:  # find_spec of a submodule raises when its parent package (hydra_plugins) is absent
+        return importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+HAS_SUBMITIT = _has_submitit()
+
 JOB = ["dataset=humaneval", "num_prompts=1", "repeats=1", "max_new_tokens=4", "warmup_tokens=1", "progress=false",
        f"assets_dir={FIXTURES / 'datasets'}"]
 
@@ -49,8 +59,7 @@ def test_basic_multirun_one_folder_per_job(tmp_path, tiny_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
-                    reason="hydra-submitit-launcher is not installed (test extra)")
+@pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher is not installed (test extra)")
 def test_submitit_local_launcher(tmp_path, tiny_checkpoint):
     _sweep_settings_present()
     tiny_checkpoint("tiny_qwen")
@@ -67,8 +76,7 @@ def test_submitit_local_launcher(tmp_path, tiny_checkpoint):
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["multirun", "runs"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
-                    reason="hydra-submitit-launcher is not installed (test extra)")
+@pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher is not installed (test extra)")
 def test_slurm_launcher_config_composes(tmp_path):
     import os
     import subprocess

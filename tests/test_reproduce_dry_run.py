@@ -97,6 +97,9 @@ def test_quick_plan(tmp_path):
     assert "k_sweep.values=[4,8,16]" in cmds["quick.k_sweep-tiny_dsv2-low"]
     assert cmds["quick.figures"][-4:] == ["--results", str(out), "--figures", str(tmp_path / "out" / "figures")]
     assert "--quick" in cmds["quick.bench-draft-kernel"]
+    for step, module in (("bench-draft-kernel", "bench_draft_kernel"), ("bench-verify", "bench_verify"),
+                         ("bench-prefetch", "bench_methods")):  # as modules: the repo root on sys.path, no install
+        assert cmds[f"quick.{step}"][1:3] == ["-m", f"scripts.{module}"]
     # the staging ablation: every cache-owning method without staging buffers (QUICK: first model, low tier)
     owning = [k for k in methods if k in ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "specter", "moe_spec")]
     ablation = [n for n in names if ".ablation-" in n]

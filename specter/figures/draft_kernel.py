@@ -94,7 +94,7 @@ def speedup_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
 def build(results: ResultSet, out: Output) -> None:
     table = long_table(results)
     if table.empty:
-        raise Skip("no draft_kernel.csv (python scripts/bench_draft_kernel.py)")
+        raise Skip("no draft_kernel.csv (python -m scripts.bench_draft_kernel)")
     backends = sorted(table["backend"].unique())
     colors = {b: PALETTE[i % len(PALETTE)] for i, b in enumerate(backends)}
     out.table(table, NAME10, "Fig. 10: draft MoE latency per backend (median ms per call)",

@@ -28,12 +28,15 @@ from specter.figures.common import (
     subplots,
 )
 from specter.figures.data import ResultSet
+from specter.figures.staging import is_staging_ablation
 
 NAME = "io_vs_oracle"
 
 
 def build(results: ResultSet, out: Output) -> None:
     records = results.records("bench")
+    if not records.empty and "run" in records:  # the staging ablation is drawn by its own figure
+        records = records[~records["run"].map(is_staging_ablation)]
     if records.empty or "oracle_h2d_bytes" not in records or records["oracle_h2d_bytes"].isna().all():
         records = results.records("main")
     if records.empty or "oracle_h2d_bytes" not in records or records["oracle_h2d_bytes"].isna().all():

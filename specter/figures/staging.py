@@ -32,6 +32,11 @@ ABLATION = "staging0"  # the folder below ablation/ that holds the method.stagin
 CELL = ["model", "memory", "hardware", "method"]
 
 
+def is_staging_ablation(run: object) -> bool:
+    """Whether a record's run folder (relative to the result root) is one of the staging ablation's."""
+    return f"ablation/{ABLATION}" in str(run).replace("\\", "/")
+
+
 def _medians(records: pd.DataFrame, suffix: str) -> pd.DataFrame:
     g = records.groupby(CELL)
     out = pd.DataFrame({f"tpot_ms{suffix}": g["tpot_ms"].median()})
@@ -46,7 +51,7 @@ def staging_table(results: ResultSet) -> pd.DataFrame:
     bench = results.records("bench")
     if bench.empty or "run" not in bench.columns:
         return pd.DataFrame()
-    ablated = bench[bench["run"].map(lambda r: f"ablation/{ABLATION}" in str(r).replace("\\", "/"))]
+    ablated = bench[bench["run"].map(is_staging_ablation)]
     main = results.records("main")
     if ablated.empty or main.empty:
         return pd.DataFrame()

@@ -18,7 +18,7 @@ NAME = "verify_schedule"
 def build(results: ResultSet, out: Output) -> None:
     frames = [df for _, df in results.csvs("verify_schedule.csv") if {"model", "K", "speedup"} <= set(df.columns)]
     if not frames:
-        raise Skip("no verify_schedule.csv (python scripts/bench_verify.py)")
+        raise Skip("no verify_schedule.csv (python -m scripts.bench_verify)")
     df = pd.concat(frames, ignore_index=True)
     if "memory" not in df:
         df["memory"] = ""

@@ -231,7 +231,7 @@ class Specter(Method):
     def build_draft_experts(self, rt: Runtime) -> dict:
         """The INT4 draft experts of `rt`'s model (GPTQ calibrated through `rt`, or RTN); sets
         `draft_bytes`, `draft_info` and `kernel_choice`."""
-        packed, self.draft_info = gptq_draft_for(self.cfg, rt, self.checkpoint) if self.quant == "gptq" else (None, {})
+        packed, self.draft_info = gptq_draft_for(self.spec, rt, self.checkpoint) if self.quant == "gptq" else (None, {})
         self.kernel_choice = select_draft_kernel(self.spec.draft_kernel, self.device, self.dtype)
         draft = build_draft(rt.om, self.quant, self.device, self.dtype, packed_layers=packed,
                             kernel=self.kernel_choice.selected)

@@ -26,7 +26,7 @@ from specter.offload.runtime import Runtime
 from specter.paths import safe_name, specter_home
 from specter.predict.planner import PlannerConfig
 from specter.quant.draft import draft_forward
-from specter.spec import BudgetSpec, LinkSpec, MethodSpec
+from specter.spec import BudgetSpec, CalibrationSpec, LinkSpec, MethodSpec
 from specter.speculative.sampling import SamplingParams
 
 GB = 1e9
@@ -87,6 +87,7 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
         sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k),
         K=effective_K(cfg) if speculative else 0,
         quant=m.get("quant") if speculative else None, draft_kernel=str(hw.get("draft_kernel") or "auto"),
+        calibration=calibration_spec(cfg),
         prefetch=str(m.get("prefetch") or "none"), planner=PlannerConfig(**(m.get("planner") or {})),
         planner_state=str(m.get("planner_state") or "warm"), schedule=str(m.get("schedule") or "expert"),
         resident=resident_experts(cfg),
@@ -200,24 +201,33 @@ def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None =
     return final
 
 
-def calibration_batches(cfg: DictConfig, tokenizer, device: torch.device, n_prompts: int,
+def calibration_spec(cfg: DictConfig) -> CalibrationSpec:
+    """The run's GPTQ calibration source, read from the config once."""
+    from specter.harness.datasets import expand_datasets
+
+    n = cfg.method.get("calibration_prompts")
+    return CalibrationSpec(prompts=16 if n is None else int(n), datasets=tuple(expand_datasets(cfg.dataset.name)),
+                           evaluated=int(cfg.num_prompts), assets_dir=str(cfg.assets_dir),
+                           allow_hub=bool(cfg.allow_hub))
+
+
+def calibration_batches(cal: CalibrationSpec, tokenizer, device: torch.device,
                         max_tokens: int = 128) -> list[torch.Tensor]:
     """GPTQ calibration prompts: taken after the evaluated ones, so no measured prompt calibrates its own draft.
 
     A dataset too small for that calibrates on its evaluated prompts (recorded by the caller);
     a malformed dataset file is an error, never a fallback.
     """
-    from specter.harness.datasets import TooFewPrompts, expand_datasets, load_prompts
+    from specter.harness.datasets import TooFewPrompts, load_prompts
 
     batches = []
-    datasets = expand_datasets(cfg.dataset.name)
-    per = max(1, n_prompts // len(datasets))
-    for ds in datasets:
+    per = max(1, cal.prompts // len(cal.datasets))
+    for ds in cal.datasets:
         try:
-            texts = load_prompts(ds, cfg.num_prompts + per, cfg.assets_dir, allow_hub=cfg.allow_hub)
+            texts = load_prompts(ds, cal.evaluated + per, cal.assets_dir, allow_hub=cal.allow_hub)
         except TooFewPrompts:
-            texts = load_prompts(ds, cfg.num_prompts, cfg.assets_dir, allow_hub=cfg.allow_hub)
-        texts = texts[cfg.num_prompts:] or texts
+            texts = load_prompts(ds, cal.evaluated, cal.assets_dir, allow_hub=cal.allow_hub)
+        texts = texts[cal.evaluated:] or texts
         for text in texts[:per]:
             ids = tokenizer(text, add_special_tokens=False).input_ids[:max_tokens]
             if ids:
@@ -225,17 +235,19 @@ def calibration_batches(cfg: DictConfig, tokenizer, device: torch.device, n_prom
     return batches
 
 
-def gptq_draft_for(cfg: DictConfig, rt: Runtime, checkpoint: Path, group_size: int = 128):
-    """The GPTQ draft of this run: cached under $SPECTER_HOME keyed by weights and calibration tokens."""
+def gptq_draft_for(spec: MethodSpec | DictConfig, rt: Runtime, checkpoint: Path, group_size: int = 128):
+    """The GPTQ draft of this run: cached under $SPECTER_HOME keyed by weights and calibration tokens
+    (scripts may pass a config, read into its spec here)."""
     from transformers import AutoTokenizer
 
     from specter.quant.calibration import calibration_digest, gptq_draft
 
-    n = int(cfg.method.calibration_prompts)
-    if n < 1:
-        raise ConfigError(f"method.calibration_prompts must be >= 1, got {n}")
-    batches = calibration_batches(cfg, AutoTokenizer.from_pretrained(checkpoint), rt.cache.device, n)
-    path = (specter_home() / "drafts" / f"{safe_name(cfg.model.name, 'model.name')}-{rt.weights_digest[:12]}"
+    if not isinstance(spec, MethodSpec):
+        spec = method_spec(spec)
+    if spec.calibration.prompts < 1:
+        raise ConfigError(f"method.calibration_prompts must be >= 1, got {spec.calibration.prompts}")
+    batches = calibration_batches(spec.calibration, AutoTokenizer.from_pretrained(checkpoint), rt.cache.device)
+    path = (specter_home() / "drafts" / f"{safe_name(spec.model, 'model.name')}-{rt.weights_digest[:12]}"
             / f"gptq-gs{group_size}-{calibration_digest(batches)[:12]}.safetensors")
     t = time.perf_counter()
     layers, info = gptq_draft(rt, batches, path, group_size)

@@ -38,7 +38,7 @@ COSTS: dict[str, Cost] = {
     "ablation": Cost(11.0, 0.9),      # main-grid runs with method.staging_buffers=0
     "batch": Cost(11.0, 0.7, 1.0),
     "trace": Cost(11.0, 0.5),
-    "bench-draft-kernel": Cost(60.0, 0.0),   # ARTIFACT.md: --quick about 1 min
+    "bench-draft-kernel": Cost(120.0, 0.0),  # --quick: 5 timed calls per point, about 2 min on 2 cores
     "bench-verify": Cost(15.0, 0.0, 15.0),   # per tiny model
     "bench-prefetch": Cost(10.0, 1.2, 3.0),  # 15 in-process runs: 19 s of records in the reference
     "figures": Cost(40.0, 0.0),

@@ -215,7 +215,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
 
     bench = s.results / "bench"
     plan.add("bench", "bench-draft-kernel",
-             [py, "scripts/bench_draft_kernel.py", *(["--quick", "--dtype", "float32"] if s.quick else []),
+             [py, "-m", "scripts.bench_draft_kernel", *(["--quick", "--dtype", "float32"] if s.quick else []),
               str(bench / "draft_kernel.csv")], checks=(Check("csv", bench / "draft_kernel.csv"),))
     tiny = [m for m in s.models if is_tiny(m)]
     if tiny:
@@ -223,13 +223,13 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
         tiny_needs = tuple(trained[m] for m in tiny if m in trained)
         verify = ["--memory", "low", "--K", "4", "8", "16", "--reps", "3"] if s.quick else []
         plan.add("bench", "bench-verify",
-                 [py, "scripts/bench_verify.py", "--models", *tiny, *verify, "--hardware", s.hardware, *untrained,
+                 [py, "-m", "scripts.bench_verify", "--models", *tiny, *verify, "--hardware", s.hardware, *untrained,
                   "--out", str(bench / "verify_schedule.csv")],
                  needs=tiny_needs, checks=(Check("csv", bench / "verify_schedule.csv"),), units=len(tiny))
         pre = protocol("prefetch", s.quick, repo)
         quick_pre = ["--memory", "low", "--num-prompts", "1", "--max-new-tokens", "32"] if s.quick else []
         plan.add("bench", "bench-prefetch",
-                 [py, "scripts/bench_methods.py", "--suite", "prefetch", "--models", *tiny, *quick_pre,
+                 [py, "-m", "scripts.bench_methods", "--suite", "prefetch", "--models", *tiny, *quick_pre,
                   "--datasets", ",".join(prefetch_sets) or "humaneval", "--hardware", s.hardware, *untrained,
                   *(["--assets", s.assets] if s.assets else []), "--out", str(bench)],
                  needs=(*data_needs, *tiny_needs), checks=(Check("csv", bench / "bench_methods.csv"),),
