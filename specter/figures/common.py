@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 import numpy as np
 import pandas as pd
 
@@ -190,3 +191,23 @@ def percentile(values: pd.Series, q: float) -> float:
     """Linear-interpolated percentile (numpy's default), NaN for an empty series."""
     v = pd.to_numeric(values, errors="coerce").dropna().to_numpy()
     return float(np.percentile(v, q)) if len(v) else float("nan")
+
+
+def ratio_bars(out: "Output", table: pd.DataFrame, name: str, value: str, ylabel: str) -> None:
+    """One panel per model, bars per memory tier and method (`table`: model, memory, method, `value`),
+    a dashed line at 1: the shape of every "this over that" figure."""
+    methods = order_methods(table["method"])
+    colors = method_colors(methods)
+    models = order_models(table["model"])
+    fig, axes = subplots(1, len(models), w=3.6, h=2.8)
+    for ax, model in zip(axes[0], models):
+        d = table[table["model"] == model]
+        tiers = order_tiers(d["memory"])
+        present = [m for m in methods if m in set(d["method"])]
+        grouped_bars(ax, tiers, present, d, by="method", index="memory", value=value, colors=colors)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
+        style_axes(ax, model_label(model), ylabel=ylabel)
+    legend_above(fig, [Patch(color=colors[m]) for m in methods], [method_label(m) for m in methods])
+    fig.tight_layout()
+    out.figure(fig, name)

@@ -11,22 +11,8 @@ ones), so every ratio is against the same kind of bound.
 from __future__ import annotations
 
 import pandas as pd
-from matplotlib.patches import Patch
 
-from specter.figures.common import (
-    grouped_bars,
-    Output,
-    Skip,
-    legend_above,
-    method_colors,
-    method_label,
-    model_label,
-    order_methods,
-    order_models,
-    order_tiers,
-    style_axes,
-    subplots,
-)
+from specter.figures.common import Output, Skip, ratio_bars
 from specter.figures.data import ResultSet
 from specter.figures.staging import is_staging_ablation
 
@@ -54,18 +40,4 @@ def build(results: ResultSet, out: Output) -> None:
               notes=["ratio = h2d_bytes / oracle_h2d_bytes; 1 = as few bytes as an oracle with a perfect future.",
                      "oracle_slots: the slots per layer each method's own bound assumes (its M); staging buffers "
                      "are lent only within a window and do not loosen the bound (tests/test_oracle.py)."])
-    variants = order_methods(table["method"])
-    colors = method_colors(variants)
-    models = order_models(table["model"])
-    fig, axes = subplots(1, len(models), w=3.6, h=2.8)
-    for ax, model in zip(axes[0], models):
-        d = table[table["model"] == model]
-        tiers = order_tiers(d["memory"])
-        present = [v for v in variants if v in set(d["method"])]
-        grouped_bars(ax, tiers, present, d, by="method", index="memory", value="ratio", colors=colors)
-        ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
-        style_axes(ax, model_label(model), ylabel="H2D bytes / oracle bytes")
-    legend_above(fig, [Patch(color=colors[v]) for v in variants], [method_label(v) for v in variants])
-    fig.tight_layout()
-    out.figure(fig, NAME)
+    ratio_bars(out, table, NAME, "ratio", "H2D bytes / oracle bytes")

@@ -9,22 +9,8 @@ gain = median TPOT without ÷ median TPOT with (> 1: the buffers helped).
 from __future__ import annotations
 
 import pandas as pd
-from matplotlib.patches import Patch
 
-from specter.figures.common import (
-    Output,
-    Skip,
-    grouped_bars,
-    legend_above,
-    method_colors,
-    method_label,
-    model_label,
-    order_methods,
-    order_models,
-    order_tiers,
-    style_axes,
-    subplots,
-)
+from specter.figures.common import Output, Skip, ratio_bars
 from specter.figures.data import ResultSet
 
 NAME = "fig_staging_ablation"
@@ -69,18 +55,4 @@ def build(results: ResultSet, out: Output) -> None:
         "staging_buffers: the count the rule gave the main run (what the budget holds beyond the method's design, "
         "at most 1.2 per MoE layer); _no_staging: the same run with method.staging_buffers=0.",
         "gain = median TPOT without / with (> 1: the buffers helped)."])
-    methods = order_methods(table["method"])
-    colors = method_colors(methods)
-    models = order_models(table["model"])
-    fig, axes = subplots(1, len(models), w=3.6, h=2.8)
-    for ax, model in zip(axes[0], models):
-        d = table[table["model"] == model]
-        tiers = order_tiers(d["memory"])
-        present = [m for m in methods if m in set(d["method"])]
-        grouped_bars(ax, tiers, present, d, by="method", index="memory", value="gain", colors=colors)
-        ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
-        style_axes(ax, model_label(model), ylabel="TPOT without / with staging")
-    legend_above(fig, [Patch(color=colors[m]) for m in methods], [method_label(m) for m in methods])
-    fig.tight_layout()
-    out.figure(fig, NAME)
+    ratio_bars(out, table, NAME, "gain", "TPOT without / with staging")
