@@ -12,6 +12,11 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():  # before anything imports triton (gptqmodel does): its own jit helpers
+        os.environ["TRITON_INTERPRET"] = "1"  # are interpreted too, or the interpreted draft kernel cannot call them
 FIXTURES = REPO / "tests" / "fixtures"
 TINY_MODELS = ("tiny_dsv2", "tiny_qwen", "tiny_phi")
 

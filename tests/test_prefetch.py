@@ -68,10 +68,11 @@ def test_adaptive_planner_walks_its_phases(tiny_checkpoint):
 
 def test_prefetched_expert_survives_until_consumed(tiny_checkpoint):
     """Prefetch every slot of a layer, then demand other experts: the prefetched ones are never
-    overwritten before verification has used them (misses wait or roll instead)."""
+    overwritten before verification has used them (misses wait or roll instead). No staging
+    buffers here: with them a miss borrows one instead of waiting (tests/test_baselines.py)."""
     from specter.offload.store import ExpertUID
 
-    cfg = compose(["model=tiny_qwen", "memory=low", "method=offload_ar", "hardware=cpu"])
+    cfg = compose(["model=tiny_qwen", "memory=low", "method=offload_ar", "hardware=cpu", "method.staging_buffers=0"])
     method = build_method(cfg, tiny_checkpoint("tiny_qwen"))
     try:
         cache, layer = method.rt.cache, method.rt.om.moe_layers[0]

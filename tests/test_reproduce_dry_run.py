@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ def script(tmp_path: Path, **env) -> subprocess.CompletedProcess:
     env.setdefault("ASSETS", str(FIXTURES))  # every dataset present (tiny fixture files)
     full = dict(os.environ, SPECTER_HOME=str(tmp_path / "home"), RESULTS=str(out / "results"),
                 FIGURES=str(out / "figures"), LOGS=str(out / "logs"), **env)
+    # `python` is this interpreter (a virtualenv's): the plan's method list depends on what it can import
+    full["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full.get("PATH", "")])
     for var in ("METHODS", "DATASET", "DRY_FAIL", "CHECK", "DRY_RUN"):
         if var not in env:
             full.pop(var, None)

@@ -28,7 +28,9 @@ def test_method_spec_is_frozen_typed_and_recordable():
 
 def test_autoregressive_methods_have_no_speculation_in_their_spec():
     spec = method_spec(compose(["model=tiny_qwen", "memory=high", "method=mo_sc", *LINK]))
-    assert spec.K == 0 and spec.quant is None and spec.staging == 4
+    assert spec.K == 0 and spec.quant is None and spec.staging is None  # None: the one staging rule decides
+    fixed = method_spec(compose(["model=tiny_qwen", "memory=high", "method=mo_sc", "method.staging_buffers=4", *LINK]))
+    assert fixed.staging == 4  # the original's buffer_size, when asked for
 
 
 def test_a_negative_staging_count_is_a_config_error():

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from specter.metrics import CommitClock
+from specter.models.compat import accept_cache_argument
 from specter.speculative.sampling import SamplingParams, next_token
 
 
@@ -23,6 +24,7 @@ def generate_autoregressive(
     clock: CommitClock | None = None,
 ) -> list[int]:
     clock = clock or CommitClock()
+    accept_cache_argument(model)  # a model loaded by the caller, on a transformers that names it past_key_values
     cache = DynamicCache(config=model.config)
     clock.start()
     logits = model(input_ids=prompt_ids, cache=cache, use_cache=True).logits[0, -1]  # [V]
