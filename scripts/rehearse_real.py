@@ -140,10 +140,13 @@ def rehearse_model(name: str, layers: int, device: str, dtype: str, quant: str, 
         t = time.perf_counter()
         root = compare(cfg)
         from specter.harness.compare import method_config
+        from specter.harness.config import bind_checkpoint
 
         for m in refused:
             try:
-                build_method(method_config(cfg, m), checkpoint).close()
+                refused_cfg = method_config(cfg, m)
+                bind_checkpoint(refused_cfg, checkpoint)  # the checkpoint's facts, as every run gets them
+                build_method(refused_cfg, checkpoint).close()
                 failures.append(f"{name} {tier} {m}: the plan says it does not fit, yet the engine accepted it")
             except BudgetError:
                 rows.append({"model": name, "tier": tier, "method": m, "dtype": dtype, "device": device,

@@ -30,10 +30,11 @@
 #
 # Settings (environment variables):
 #   QUICK=1        1 prompt x 1 repeat per dataset, 32 new tokens, K in {4,8,16} swept on the low
-#                  tier only, batch sizes {1,2,4} over 4 prompts of one dataset (HumanEval when present;
-#                  the trace and the prefetch ablation too); results in results/quick, figures in
-#                  figures/quick. About 23 min on 2 cores with all five datasets once the tiny models
-#                  are trained (3 min each, once); CHECK=1 QUICK=1 prints the estimate for this machine.
+#                  tier only, the staging ablation on the first model's low tier, batch sizes {1,2,4}
+#                  over 4 prompts of one dataset (HumanEval when present; the trace and the prefetch
+#                  ablation too); results in results/quick, figures in figures/quick. Timed: 22 min on
+#                  2 cores offline with the three bundled datasets once the tiny models are trained
+#                  (3-5 min each, once); CHECK=1 QUICK=1 prints the estimate for this machine.
 #   CHECK=1        preflight: the plan, its data and a time estimate; runs nothing, writes nothing
 #   DRY_RUN=1      print every step's command; DRY_FAIL="<step> ..." also shows what their failure skips
 #   MODELS         default "tiny_dsv2 tiny_qwen tiny_phi"
