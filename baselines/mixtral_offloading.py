@@ -21,7 +21,7 @@ original's fixed buffer_size of 4 is `method.staging_buffers=4`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,16 +35,13 @@ from specter.models.facts import matching_preset, read_facts
 from specter.offload.budget import Footprint, staging_buffers
 from specter.offload.runtime import Runtime
 from specter.quant.draft import build_draft
-from specter.spec import MethodSpec
+from specter.spec import MethodSpec, extend_spec
 
 
 class MixtralOffloading(OffloadAR):
     """MO-SC: the tier's M slots per layer plus the shared staging buffers."""
 
     name = "mo_sc"
-
-    def environment(self) -> dict[str, Any]:
-        return {**super().environment(), "staging_buffers": self.rt.cache.staging}
 
 
 @dataclass(frozen=True)
@@ -64,8 +61,8 @@ class MixtralOffloadingSM(MixtralOffloading):
     def make_spec(self, cfg: DictConfig) -> SameMemorySpec:
         base = super().make_spec(cfg)
         presets = OmegaConf.to_container(cfg.method.presets, resolve=True) if cfg.method.get("presets") else []
-        return SameMemorySpec(**{f.name: getattr(base, f.name) for f in fields(base)}, specter_K=effective_K(cfg),
-                              residents=cfg.method.get("residents"), presets=tuple(presets))
+        return extend_spec(base, SameMemorySpec, specter_K=effective_K(cfg), residents=cfg.method.get("residents"),
+                           presets=tuple(presets))
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         Method.__init__(self, cfg, checkpoint)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from specter.models.loading import non_expert_bytes
 from specter.moe import MoERuntime
 from specter.predict.planner import PlannerConfig, PrefetchPlanner
 from specter.quant.draft import draft_forward
-from specter.spec import MethodSpec
+from specter.spec import MethodSpec, extend_spec
 from specter.speculative.drafter import SeparateDrafter
 from specter.speculative.engine import SpeculativeEngine
 
@@ -97,8 +97,7 @@ class SpecMoEOff(Specter):
         E = int(cfg.model.num_experts)
         preset = max(1, min(E, round(int(m.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
         base = replace(super().make_spec(cfg), K=K, quant=m.quant, resident=preset, prefetch=RouteFrequencyPlanner.name)
-        return SpecMoEOffSpec(**{f.name: getattr(base, f.name) for f in fields(base)},
-                              prefetch_at=tuple(float(f) for f in m.prefetch_at))
+        return extend_spec(base, SpecMoEOffSpec, prefetch_at=tuple(float(f) for f in m.prefetch_at))
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         Method.__init__(self, cfg, checkpoint)  # not Specter's: its draft is a model of its own

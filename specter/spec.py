@@ -8,7 +8,7 @@ The harness turns the composed config into a `MethodSpec` exactly once
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -106,3 +106,8 @@ class MethodSpec:
         out["batch_sizes"] = list(self.batch_sizes)
         out["calibration"]["datasets"] = list(self.calibration.datasets)
         return out
+
+
+def extend_spec(base: MethodSpec, cls: type[MethodSpec], **extra: Any) -> MethodSpec:
+    """`base` as the spec subclass `cls` (a baseline's own typed fields, `extra`, beside the common ones)."""
+    return cls(**{f.name: getattr(base, f.name) for f in fields(base)}, **extra)
