@@ -97,29 +97,94 @@ def test_emulated_profile_recalibrates_by_default():
     assert hw.recalibrate is True and hw.load_ratio_tolerance == 0.25 and hw.ratio_probe_steps > 0
 
 
+def _fake_probe(steps_ms: list[float]):
+    """A layer-step probe that returns `steps_ms` in turn, then keeps the last (seconds)."""
+    calls = []
+
+    def probe(model, steps=24):
+        calls.append(steps)
+        return steps_ms[min(len(calls), len(steps_ms)) - 1] * 1e-3
+    return probe, calls
+
+
 @pytest.mark.parametrize("probe_step_s,flagged", [(10e-3, False), (40e-3, True)], ids=["steady", "slowed"])
 def test_a_run_whose_machine_slows_down_is_flagged(probe_step_s, flagged, monkeypatch, capsys, tmp_path,
                                                    tiny_checkpoint):
-    """The warm-up calibrates a 10 ms layer step (r = 0.7: 7 ms per expert load); the in-run probe then
-    finds the step unchanged (steady) or 4x slower (a CPU-bound process arrived: r ~ 0.18, flagged)."""
+    """The warm-up re-times the link to a 10 ms layer step (r = 0.7: 7 ms per expert load); the
+    probes around the records then find the step unchanged (steady) or 4x slower (a CPU-bound
+    process arrived: r ~ 0.18, flagged)."""
     tiny_checkpoint("tiny_qwen")
     monkeypatch.setattr(runtime, "specter_home", lambda: tmp_path / "home")
-    monkeypatch.setattr(runtime, "measure_layer_step", lambda model, steps=24: 10e-3)
-    monkeypatch.setattr(load_ratio, "measure_layer_step", lambda model, steps=24: probe_step_s)
+    monkeypatch.setattr(runtime, "measure_layer_step", lambda model, steps=24: 25e-3)  # cold, at build
+    probe, _ = _fake_probe([10.0] * load_ratio.CALIBRATION_PROBES + [probe_step_s * 1e3])
+    monkeypatch.setattr(load_ratio, "measure_layer_step", probe)
     out = tmp_path / "run"
     rc, stdout, err = cli([*BASE, f"output_dir={out}"], capsys)
     assert rc == 0, err[-2000:]
     rec = pd.read_csv(out / "records.csv")
-    assert rec.load_ratio.eq(0.7).all() and rec.layer_step_ms.eq(probe_step_s * 1e3).all()
+    step_ms = (10.0 + probe_step_s * 1e3) / 2  # the first record: warm-up step and the probe after it
+    assert rec.load_ratio.eq(0.7).all() and rec.layer_step_ms.iloc[0] == pytest.approx(step_ms)
     assert (rec.expert_load_ms >= 7.0).all()
-    expected = rec.expert_load_ms / (probe_step_s * 1e3)
-    assert rec.effective_load_ratio.to_numpy() == pytest.approx(expected.to_numpy(), rel=1e-3)
+    assert rec.effective_load_ratio.iloc[0] == pytest.approx(rec.expert_load_ms.iloc[0] / step_ms, rel=1e-3)
     assert rec.load_ratio_off.eq(int(flagged)).all()
     assert ("load_ratio_off=1" in err) is flagged
     summary = pd.read_csv(out / "summary.csv")
     assert summary.load_ratio_off.iloc[0] == int(flagged)
     assert summary.effective_load_ratio.iloc[0] == pytest.approx(rec.effective_load_ratio.mean())
-    assert "layer step measured" in stdout
+    assert "layer step measured" in stdout and "re-timed after the warm-up" in stdout
+
+
+def test_the_link_is_re_timed_by_the_probe_that_measures_the_records(monkeypatch, capsys, tmp_path, tiny_checkpoint):
+    """At build the model is cold (25 ms per layer step); after the warm-up the same probe that brackets
+    the records finds 10 ms. The link follows the probe: records at r = 0.7, none flagged, and env.json
+    and the calibration cache hold the warm-up step. (Calibrated at build only, every record ran at
+    r = 1.75 and was flagged.)"""
+    tiny_checkpoint("tiny_qwen")
+    monkeypatch.setattr(runtime, "specter_home", lambda: tmp_path / "home")
+    monkeypatch.setattr(runtime, "measure_layer_step", lambda model, steps=24: 25e-3)
+    probe, calls = _fake_probe([12.0, 10.0, 9.0, 10.0])  # calibration: the median of three
+    monkeypatch.setattr(load_ratio, "measure_layer_step", probe)
+    out = tmp_path / "run"
+    rc, _, err = cli([*BASE, "num_prompts=2", f"output_dir={out}"], capsys)
+    assert rc == 0, err[-2000:]
+    assert calls[: load_ratio.CALIBRATION_PROBES] == [load_ratio.PROBE_STEPS] * load_ratio.CALIBRATION_PROBES
+    rec = pd.read_csv(out / "records.csv")
+    assert rec.layer_step_ms.to_numpy() == pytest.approx([10.0, 10.0])
+    assert rec.load_ratio_off.eq(0).all() and "load_ratio_off=1" not in err
+    assert rec.effective_load_ratio.to_numpy() == pytest.approx((rec.expert_load_ms / 10.0).to_numpy(), rel=1e-3)
+    link = json.loads((out / "env.json").read_text())["method"]["link"]
+    assert link["per_layer_step_s"] == pytest.approx(10e-3) and link["calibration_source"] == "warm-up probe"
+    assert link["expert_load_s"] == pytest.approx(7e-3)
+    cached = json.loads((tmp_path / "home" / "calibration").glob("*.json").__next__().read_text())
+    assert cached["per_layer_step_s"] == pytest.approx(10e-3)
+
+
+@pytest.mark.parametrize("override", ["hardware.recalibrate=false", "hardware.ratio_probe_steps=0",
+                                      "hardware.bandwidth_gbps=0.5"])
+def test_no_in_run_re_timing_when_the_user_pins_the_link(override, monkeypatch, capsys, tmp_path, tiny_checkpoint):
+    tiny_checkpoint("tiny_qwen")
+    monkeypatch.setattr(runtime, "specter_home", lambda: tmp_path / "home")
+    monkeypatch.setattr(runtime, "measure_layer_step", lambda model, steps=24: 25e-3)
+    probe, calls = _fake_probe([10.0])
+    monkeypatch.setattr(load_ratio, "measure_layer_step", probe)
+    out = tmp_path / "run"
+    rc, stdout, err = cli([*BASE, override, f"output_dir={out}"], capsys)
+    assert rc == 0, err[-2000:]
+    assert "re-timed" not in stdout
+    link = json.loads((out / "env.json").read_text())["method"]["link"]
+    assert link["calibration_source"] != "warm-up probe"
+
+
+def test_retune_changes_the_copies_that_follow():
+    link = EmulatedLink(bandwidth_bytes_per_s=1e6, latency_s=0.0)
+    try:
+        assert link.transfer_seconds(1000) == pytest.approx(1e-3)
+        link.retune(2e6, 1e-4)
+        assert link.transfer_seconds(1000) == pytest.approx(6e-4)
+        with pytest.raises(ValueError):
+            link.retune(0, 0)
+    finally:
+        link.close()
 
 
 def test_target_only_records_leave_the_ratio_empty(capsys, tmp_path, tiny_checkpoint):

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.batch_schema import BATCH_COLUMNS, BATCH_SCHEMA
 from specter.harness.config import ConfigError, validate
+from specter.harness.load_ratio import calibrate_after_warmup
 from specter.harness.methods import Method, build_method
 from specter.harness.output import check_weights, run_folder, write_environment
 from specter.harness.records import RecordWriter, record_key, text_digest, token_digest
@@ -226,6 +227,7 @@ def _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo: dict[int, list[tupl
             method.generate_batch([torch.tensor(p, device=device) for p in prompt_ids[first_ds][:n]], cfg.warmup_tokens,
                                   [make_generator(device, 0) for _ in range(n)])
             method.warmed()
+        calibrate_after_warmup(cfg, checkpoint, method)  # env.json below records the re-timed link
         static = {"hardware": cfg.hardware.name, **method.static_fields()}
         base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
         for B in fits:

@@ -8,13 +8,18 @@ the link's mean expert-load time during the record over the layer step probed ju
 just after it (outside timing), next to the configured ratio; a record off by more than
 `hardware.load_ratio_tolerance` (relative) is flagged in `load_ratio_off` and warned about.
 
-The probe is the calibration's own measurement (`measure_layer_step`: one-token decode steps of
-the plain model with every weight on the device, per layer), on a copy of the model kept for
-the run; `hardware.ratio_probe_steps=0` skips it (the layer step is then the warm-up calibration's).
+The link is timed twice. Building the runtime calibrates it from a first layer step (the model
+is cold then; the warm-up needs a link), and right after the warm-up `calibrate_after_warmup`
+re-times it from the median of `CALIBRATION_PROBES` probes: the same probe, in the same process
+state, that then brackets every record, so a quiet run's records agree with their own link.
+The probe (`measure_layer_step`: one-token decode steps of the plain model with every weight on
+the device, per layer) runs on a copy of the model kept for the run; `hardware.ratio_probe_steps=0`
+skips it (no in-run recalibration; the layer step is then the build-time calibration's).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from collections.abc import Callable
 from functools import lru_cache
@@ -31,9 +36,11 @@ from specter.offload.calibrate import (
     LinkParams,
     LoadRatioMonitor,
     measure_layer_step,
+    write_calibration,
 )
 
 PROBE_STEPS = 12  # one-token decode steps per in-run probe (3 rounds of 4; the median is kept)
+CALIBRATION_PROBES = 3  # probes whose median re-times the link after the warm-up
 
 
 @lru_cache(maxsize=1)
@@ -64,23 +71,54 @@ class RecordRatios:
         return ratio.columns()
 
 
-def run_load_ratios(cfg: DictConfig, checkpoint: Path, method: Any) -> RecordRatios:
-    """The per-record monitor of a run, started right after its warm-up (its first probe)."""
+def _probe_steps(cfg: DictConfig) -> int:
+    steps = cfg.hardware.get("ratio_probe_steps")
+    return int(steps if steps is not None else PROBE_STEPS)
+
+
+def _layer_step_probe(cfg: DictConfig, checkpoint: Path, method: Any) -> Callable[[], float] | None:
+    steps = _probe_steps(cfg)
+    if steps <= 0:
+        return None
+    model = probe_model(checkpoint, method.dtype, method.device)
+    return lambda: measure_layer_step(model, steps=steps)
+
+
+def calibrate_after_warmup(cfg: DictConfig, checkpoint: Path, method: Any) -> float | None:
+    """Re-time the method's emulated link from the layer step probed now, right after its warm-up
+    (the per-record monitor's probe, median of CALIBRATION_PROBES) -> that step in seconds; None
+    where nothing is recalibrated (no emulated link, a pinned bandwidth, recalibrate=false, no probe)."""
+    rt = getattr(method, "rt", None)
+    params: LinkParams | None = getattr(rt, "link_params", None)
+    if params is None or params.kind != "emulated" or not params.calibrated or not cfg.hardware.get("recalibrate"):
+        return None
+    probe = _layer_step_probe(cfg, checkpoint, method)
+    if probe is None:
+        return None
+    built = params.per_layer_step_s
+    step = statistics.median(probe() for _ in range(CALIBRATION_PROBES))
+    rt.recalibrate_link(step, cfg.hardware.get("latency_us"), "warm-up probe")
+    if params.calibration_file:
+        write_calibration(Path(params.calibration_file), step)
+    print(f"emulated link re-timed after the warm-up: layer step {step * 1e3:.3f} ms (at build {built * 1e3:.3f} ms) "
+          f"x load_ratio {params.load_ratio} -> expert load {params.expert_load_s * 1e3:.3f} ms", flush=True)
+    return step
+
+
+def run_load_ratios(cfg: DictConfig, checkpoint: Path, method: Any, calibrated_step_s: float | None = None) -> RecordRatios:
+    """The per-record monitor of a run, started right after its warm-up; its first layer step is
+    `calibrated_step_s` (what `calibrate_after_warmup` measured) or a probe of its own."""
     rt = getattr(method, "rt", None)
     params: LinkParams | None = getattr(rt, "link_params", None)
     if rt is None or params is None:  # target_only, engine baselines: no link of ours
         return RecordRatios(None)
-    hw = cfg.hardware
-    tolerance = float(hw.get("load_ratio_tolerance") or DEFAULT_TOLERANCE)
-    steps = int(hw.get("ratio_probe_steps") if hw.get("ratio_probe_steps") is not None else PROBE_STEPS)
+    tolerance = float(cfg.hardware.get("load_ratio_tolerance") or DEFAULT_TOLERANCE)
     probe = None
     if params.kind == "emulated":
-        if steps > 0:
-            model = probe_model(checkpoint, method.dtype, method.device)
-            probe = lambda: measure_layer_step(model, steps=steps)
-        elif params.per_layer_step_s:
+        probe = _layer_step_probe(cfg, checkpoint, method)
+        if probe is None and params.per_layer_step_s:
             probe = lambda: params.per_layer_step_s
-    return RecordRatios(LoadRatioMonitor(rt.link, params, probe, tolerance))
+    return RecordRatios(LoadRatioMonitor(rt.link, params, probe, tolerance, first_step_s=calibrated_step_s))
 
 
 def ratio_summary(records) -> dict[str, Any]:
@@ -93,4 +131,5 @@ def ratio_summary(records) -> dict[str, Any]:
             "load_ratio_off": int(off.sum()) if len(off) else None}
 
 
-__all__ = ["EffectiveRatio", "PROBE_STEPS", "RecordRatios", "probe_model", "ratio_summary", "run_load_ratios"]
+__all__ = ["CALIBRATION_PROBES", "EffectiveRatio", "PROBE_STEPS", "RecordRatios", "calibrate_after_warmup", "probe_model",
+           "ratio_summary", "run_load_ratios"]

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from specter.harness.artifacts import SideTables
 from specter.harness.config import ConfigError, resident_experts, validate
 from specter.harness.datasets import DatasetFormatError, PromptSet, expand_datasets, load_prompt_set
-from specter.harness.load_ratio import run_load_ratios
+from specter.harness.load_ratio import calibrate_after_warmup, run_load_ratios
 from specter.harness.methods import Method, build_method
 from specter.harness.output import check_weights, refuse_other_prompt, run_folder, write_environment
 from specter.harness.records import RecordWriter, text_digest, token_digest
@@ -130,8 +130,6 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
     check_weights(out, digest, writer.finished)
     method = build_method(cfg, checkpoint)
     try:
-        write_environment(out, environment_of(method, checkpoint, digest, rejected_rows=len(writer.rejected),
-                                              method_config=OmegaConf.to_container(cfg.method, resolve=True)))
         device = method.device
 
         def encode(ds: str, i: int) -> torch.Tensor:
@@ -141,7 +139,10 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
             first_ds = todo[0][0]
             method.generate(encode(first_ds, 0), cfg.warmup_tokens, make_generator(device, 0))
             method.warmed()
-        ratios = run_load_ratios(cfg, checkpoint, method)  # each record's effective load ratio (load_ratio.py)
+        step_s = calibrate_after_warmup(cfg, checkpoint, method)  # the link as the records will run it
+        write_environment(out, environment_of(method, checkpoint, digest, rejected_rows=len(writer.rejected),
+                                              method_config=OmegaConf.to_container(cfg.method, resolve=True)))
+        ratios = run_load_ratios(cfg, checkpoint, method, step_s)  # each record's effective load ratio (load_ratio.py)
         static = {"hardware": cfg.hardware.name, "prefix_tokens": cfg.prefix_tokens, **method.static_fields()}
         side = SideTables(out)
         for ds, i, r in tqdm(todo, desc=f"{cfg.method.name}/{cfg.model.name}", disable=not cfg.progress, unit="rec"):

@@ -96,17 +96,27 @@ def calibrated_link(expert_bytes: int, load_ratio: float, calibration_file: Path
         per_layer, source = read_calibration(calibration_file), "cached"
     else:
         per_layer, source = float(measure()), "measured"
-        atomic_write_text(calibration_file, json.dumps({"per_layer_step_s": per_layer, "measured": time.strftime("%F %T")}))
-    load_s = load_ratio * per_layer
+        write_calibration(calibration_file, per_layer)
+    return link_for_step(expert_bytes, load_ratio, per_layer, latency_us, str(calibration_file), source)
+
+
+def link_for_step(expert_bytes: int, load_ratio: float, per_layer_step_s: float, latency_us: float | None,
+                  calibration_file: str | None, source: str) -> LinkParams:
+    """The emulated link on which one expert load takes `load_ratio` x `per_layer_step_s`."""
+    load_s = load_ratio * per_layer_step_s
     latency = float(latency_us) * 1e-6 if latency_us is not None else 0.05 * load_s
     bandwidth = expert_bytes / max(load_s - latency, 1e-9)
     try:
-        return _checked(LinkParams("emulated", bandwidth, latency, per_layer, load_s, load_ratio, calibrated=True,
-                                   calibration_file=str(calibration_file), calibration_source=source))
+        return _checked(LinkParams("emulated", bandwidth, latency, per_layer_step_s, load_s, load_ratio, calibrated=True,
+                                   calibration_file=calibration_file, calibration_source=source))
     except CalibrationError as err:
         raise CalibrationError(
-            f"{err} (link calibration {calibration_file}: layer step {per_layer:.3g} s x load_ratio {load_ratio}); "
-            "rerun with hardware.recalibrate=true, or fix hardware.bandwidth_gbps") from None
+            f"{err} (link calibration {calibration_file}: layer step {per_layer_step_s:.3g} s x load_ratio "
+            f"{load_ratio}); rerun with hardware.recalibrate=true, or fix hardware.bandwidth_gbps") from None
+
+
+def write_calibration(path: Path, per_layer_step_s: float) -> None:
+    atomic_write_text(path, json.dumps({"per_layer_step_s": per_layer_step_s, "measured": time.strftime("%F %T")}))
 
 
 def read_calibration(path: Path) -> float:
@@ -184,12 +194,12 @@ class LoadRatioMonitor:
 
     The expert-load time is the link's busy time per copy over the record (its modelled time when
     the record copied nothing); the layer step is the mean of two probes, one just before the
-    record (the warm-up probe for the first) and one just after, both outside timing. `probe`
-    returns a per-layer step in seconds (None: no probe, the layer step stays empty).
+    record (the warm-up probe for the first, or `first_step_s`) and one just after, both outside
+    timing. `probe` returns a per-layer step in seconds (None: no probe, the layer step stays empty).
     """
 
     def __init__(self, link: Any, params: LinkParams, probe: Callable[[], float] | None = None,
-                 tolerance: float = DEFAULT_TOLERANCE):
+                 tolerance: float = DEFAULT_TOLERANCE, first_step_s: float | None = None):
         if not tolerance > 0:
             raise ValueError(f"load-ratio tolerance must be > 0, got {tolerance}")
         self.link = link
@@ -197,7 +207,8 @@ class LoadRatioMonitor:
         self.probe = probe
         self.tolerance = float(tolerance)
         self.configured = float(params.load_ratio) if params.calibrated and params.load_ratio else None
-        self.warmup_step_s = probe() if probe is not None else None  # the step right after the warm-up
+        # the step right after the warm-up (given: the in-run calibration just measured it)
+        self.warmup_step_s = first_step_s if first_step_s is not None else probe() if probe is not None else None
         self._last_step_s = self.warmup_step_s
         self._busy, self._copies = self._link_state()
 

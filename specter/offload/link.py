@@ -201,6 +201,13 @@ class EmulatedLink(TransferLink):
         """Modelled duration of one copy of ``nbytes``."""
         return self.latency + nbytes / self.bandwidth
 
+    def retune(self, bandwidth_bytes_per_s: float, latency_s: float) -> None:
+        """New link parameters for the copies submitted from now on (the queue is drained first)."""
+        if bandwidth_bytes_per_s <= 0 or latency_s < 0:
+            raise ValueError(f"bad link parameters: {bandwidth_bytes_per_s} B/s, {latency_s} s")
+        self.synchronize()
+        self.bandwidth, self.latency = float(bandwidth_bytes_per_s), float(latency_s)
+
     def submit(self, src_flat: torch.Tensor, dst_flat: torch.Tensor, *, after: Any = None, tag: Any = None) -> Ticket:
         with self._lock:
             nbytes = self._check_submit(src_flat, dst_flat)

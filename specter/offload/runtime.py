@@ -13,7 +13,7 @@ import torch
 
 from specter.offload.budget import Footprint, check_budget
 from specter.offload.cache import ExpertCache
-from specter.offload.calibrate import LinkParams
+from specter.offload.calibrate import LinkParams, link_for_step
 from specter.offload.link import TransferLink
 
 if TYPE_CHECKING:
@@ -41,6 +41,18 @@ class Runtime:
 
     def close(self) -> None:
         self.link.close()
+
+    def recalibrate_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> LinkParams:
+        """Re-time an emulated link calibrated from a ratio to a layer step measured later in the run
+        (its warm-up): the link and `link_params` (what env.json records) change together."""
+        p = self.link_params
+        if p.kind != "emulated" or not p.calibrated or not p.load_ratio:
+            raise ValueError("only an emulated link calibrated from model.load_ratio can be recalibrated")
+        new = link_for_step(self.om.store.nbytes_per_expert, p.load_ratio, per_layer_step_s, latency_us,
+                            p.calibration_file, source)
+        self.link.retune(new.bandwidth_bytes_per_s, new.latency_s)
+        vars(p).update(vars(new))  # the same object the method and its spec's readers hold
+        return p
 
     def check_budget(self, what: str) -> None:
         """Refuse a footprint over the budget (closing the link)."""
