@@ -46,8 +46,20 @@ def _needs_hydra(argv: list[str]) -> bool:
     return any(a.startswith("-") or a.lstrip("+~").startswith(("hydra.", "hydra/")) for a in argv)
 
 
+def _with_default_job(argv: list[str]) -> list[str]:
+    """Hydra flags with no override (`--cfg job`, `-m`) act on the default job, as plain `python run.py`
+    does; `--help`/`--hydra-help` describe conf/config.yaml itself."""
+    from specter.harness.compose import DEFAULT_JOB
+
+    overrides = [a for a in argv if "=" in a or a.startswith(("~", "+"))]  # not flag values (`--cfg job`)
+    if overrides or any(a in ("-h", "--help", "--hydra-help", "--info", "-i") for a in argv):
+        return argv
+    return [*argv, *DEFAULT_JOB]
+
+
 if __name__ == "__main__":
     if _needs_hydra(sys.argv[1:]):
+        sys.argv[1:] = _with_default_job(sys.argv[1:])
         from specter.harness.cli import check_optional_groups
         from specter.harness.config import ConfigError
         from specter.harness.errors import report

@@ -85,3 +85,27 @@ def test_specter_defaults_follow_the_paper():
     cfg = compose(["method=specter"])
     assert cfg.method.quant == "gptq" and cfg.method.prefetch == "adaptive" and cfg.method.schedule == "expert"
     assert compose(["experiment=k_sweep"]).k_sweep["values"] == [2, 4, 6, 8, 12, 16, 20, 24, 32]
+
+
+def test_one_default_job(monkeypatch, capsys):
+    """`python run.py`, `compose([])` and Hydra's flags without overrides (`--cfg job`) are one job."""
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    from specter.harness import cli as cli_mod
+    from specter.harness import experiments
+
+    seen = []
+    monkeypatch.setattr(experiments, "run_experiment", lambda cfg: seen.append(cfg))
+    assert cli_mod.main([]) == 0
+    default = compose([])
+    assert default.experiment == "compare" and default.model.name == "tiny_dsv2" and default.memory.name == "low"
+    assert OmegaConf.to_container(seen[0]) == OmegaConf.to_container(default)
+    assert compose(["model=tiny_phi"]).experiment == "run"  # an override selects from conf/config.yaml
+    spec = importlib.util.spec_from_file_location("run_entry", REPO / "run.py")
+    run_entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_entry)
+    assert run_entry._with_default_job(["--cfg", "job"]) == ["--cfg", "job", "experiment=compare"]
+    assert run_entry._with_default_job(["--cfg", "job", "model=tiny_phi"]) == ["--cfg", "job", "model=tiny_phi"]
+    assert run_entry._with_default_job(["--help"]) == ["--help"]

@@ -67,6 +67,38 @@ def test_rtn_round_trip_error_bound(e: int, n: int, k: int, gs: int, scale_dtype
     assert int(codes.min()) <= 1 and int(codes.max()) == 15
 
 
+@pytest.mark.parametrize("e,n,k,gs,block", [(3, 16, 64, 32, 64), (2, 48, 128, 128, 256), (4, 8, 256, 64, 10**9),
+                                             (1, 33, 128, 64, 128)])
+def test_rtn_in_blocks_equals_the_whole_stack(e: int, n: int, k: int, gs: int, block: int, monkeypatch) -> None:
+    """Blocks of rows (Phi-3.5-MoE's bounded temporaries) give the bits of one pass over the stack."""
+    from specter.quant import int4
+
+    w = torch.randn(e, n, k, generator=_gen(e * n + k))
+    whole = int4._quantize_rtn_rows(w, gs, torch.float16)  # the reference: every weight at once
+    monkeypatch.setattr(int4, "RTN_BLOCK_ELEMENTS", block)
+    blocked = quantize_rtn(w, gs)
+    assert torch.equal(blocked.qweight, whole.qweight) and torch.equal(blocked.scales, whole.scales)
+
+
+def test_draft_layer_from_views_equals_the_stacked_layer() -> None:
+    """One expert at a time (views of the host store, never stacked) packs the same INT4 layer, and
+    the int4mm layout built expert by expert dequantizes to it."""
+    from specter.kernels.draft_moe import dequantize_int4pack, prepare_int4mm
+    from specter.quant.draft import quantize_layer_rtn
+
+    E, H, I = 5, 64, 96
+    gu = [torch.randn(2 * I, H, generator=_gen(10 + j)) for j in range(E)]
+    dn = [torch.randn(H, I, generator=_gen(20 + j)) for j in range(E)]
+    layer = quantize_layer_rtn(gu, dn, 32)
+    stacked = (quantize_rtn(torch.stack(gu), 32), quantize_rtn(torch.stack(dn), 32))
+    for got, want in zip((layer.gate_up, layer.down), stacked):
+        assert torch.equal(got.qweight, want.qweight) and torch.equal(got.scales, want.scales)
+    prepared = prepare_int4mm(layer.gate_up, layer.down, torch.float32)
+    w = dequantize_int4pack(prepared.gate_up, prepared.gate_up_sz, prepared.group_size_gu, prepared.block_n,
+                            torch.float32)  # [E, 2I, H]
+    assert torch.allclose(w, dequantize(layer.gate_up, torch.float32), atol=1e-6)
+
+
 def test_rtn_matches_gptq_grid() -> None:
     """One group: scale = 2·absmax/15, code = clamp(round(w/scale) + 8, 0, 15)."""
     w = torch.zeros(1, 1, 8)

@@ -11,12 +11,9 @@ import sys
 
 from specter.harness.config import ConfigError
 
-DEFAULT_JOB = ("experiment=compare",)
-
-
 def main(argv: list[str]) -> int:
     """0 on success; 2 with one line on stderr for a user error; 130 when interrupted."""
-    from specter.harness.compose import compose
+    from specter.harness.compose import DEFAULT_JOB, compose
     from specter.harness.errors import USER_ERRORS, composition_error, disk_error, report
     from specter.harness.experiments import run_experiment
 
@@ -24,7 +21,7 @@ def main(argv: list[str]) -> int:
         print("specter: no arguments, running the default comparison (experiment=compare: target_only, "
               "offload_ar and specter on a trained tiny model, low tier, emulated link); "
               "`python run.py --help` lists every option", flush=True)
-        argv = list(DEFAULT_JOB)
+        argv = list(DEFAULT_JOB)  # compose([]) gives the same config
     try:
         cfg = compose(argv)
     except Exception as err:  # noqa: BLE001 - Hydra/OmegaConf raise many types for a bad override

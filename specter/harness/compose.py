@@ -7,10 +7,18 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# What `python run.py` with no arguments runs, and so what `compose([])` gives: the comparison the
+# project exists for (conf/experiment/compare.yaml). Any override selects from conf/config.yaml instead.
+DEFAULT_JOB = ("experiment=compare",)
+
+
+def job_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """The overrides a job runs with: DEFAULT_JOB when none are given."""
+    return list(overrides) if overrides else list(DEFAULT_JOB)
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """The config `python run.py <overrides>` would run with."""
+    """The config `python run.py <overrides>` would run with (no overrides: the default job)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -18,7 +26,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
     register_schemas()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        cfg = hydra_compose(config_name="config", overrides=job_overrides(overrides))
     return resolve_hardware(cfg)
 
 

@@ -264,8 +264,9 @@ def int4mm_nbytes(experts: int, out_features: int, in_features: int, group_size:
 
 
 def _to_int4pack(packed: Int4Experts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = unpack_codes(packed.qweight).to(torch.int32)  # [E, N, K]
-    w = torch.stack([torch._convert_weight_to_int4pack_for_cpu(c.contiguous(), 2) for c in codes])  # [E, N, K/2]
+    # one expert's codes at a time: a whole layer's int32 codes are 4 bytes per weight
+    w = torch.stack([torch._convert_weight_to_int4pack_for_cpu(unpack_codes(qw).to(torch.int32), 2)
+                     for qw in packed.qweight])  # [E, N, K/2]
     s = packed.scales.to(dtype).transpose(1, 2)  # [E, G, N]
     sz = torch.stack((s, torch.zeros_like(s)), dim=-1).contiguous()  # [E, G, N, 2]
     return w, sz

@@ -8,12 +8,14 @@ its packed expert weights. `quant=rtn` (round-to-nearest, fast, for tests) or `q
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
+
 import torch
 
 from specter.kernels.draft_moe import (DequantWorkspace, Int4mmWeights, choose_backend, draft_moe_fused, int4mm_nbytes,
                                       prepare_int4mm)
-from specter.quant.int4 import Int4ExpertLayer, default_group_size, packed_nbytes, quantize_rtn
+from specter.quant.int4 import Int4ExpertLayer, concat_experts, default_group_size, packed_nbytes, quantize_rtn
 
 QUANT_METHODS = ("rtn", "gptq")
 
@@ -52,18 +54,22 @@ def draft_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                            prepared=d.prepared, workspace=d.workspace)
 
 
-def layer_weights(store, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack a layer's host-store experts: gate_up [E,2I,H], down [E,H,I] (host memory)."""
+def layer_weights(store, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A layer's host-store experts as views, not stacked: gate_up[e] [2I, H], down[e] [H, I]
+    (a stacked copy of Phi-3.5-MoE's layer alone is 5 GB in fp32)."""
     from specter.offload.store import ExpertUID
 
     views = [store.views(ExpertUID(layer, e)) for e in range(store.num_experts)]
-    return torch.stack([v[0] for v in views]), torch.stack([v[1] for v in views])
+    return [v[0] for v in views], [v[1] for v in views]
 
 
-def quantize_layer_rtn(gate_up: torch.Tensor, down: torch.Tensor, group_size: int = 128) -> Int4ExpertLayer:
-    gs_gu = default_group_size(gate_up.shape[-1], group_size)
-    gs_dn = default_group_size(down.shape[-1], group_size)
-    return Int4ExpertLayer(quantize_rtn(gate_up, gs_gu), quantize_rtn(down, gs_dn))
+def quantize_layer_rtn(gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+                       group_size: int = 128) -> Int4ExpertLayer:
+    """RTN INT4 of a layer's experts (gate_up[e] [2I, H], down[e] [H, I]; stacked or views), one expert at a time."""
+    gs_gu = default_group_size(gate_up[0].shape[-1], group_size)
+    gs_dn = default_group_size(down[0].shape[-1], group_size)
+    return Int4ExpertLayer(concat_experts([quantize_rtn(w[None], gs_gu) for w in gate_up]),
+                           concat_experts([quantize_rtn(w[None], gs_dn) for w in down]))
 
 
 def draft_layer_nbytes(experts: int, hidden: int, inter: int, device_type: str, dtype: torch.dtype,

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from specter.quant.int4 import (MAXQ, ZERO_POINT, Int4Experts, Int4ExpertLayer, codes_from_dequantized,
-                                default_group_size, dequantize, pack_codes, quantize_rtn)
+                                concat_experts, default_group_size, dequantize, pack_codes, quantize_rtn)
 
 Engine = Literal["gptqmodel", "builtin"]
 ActFn = Callable[[torch.Tensor], torch.Tensor]
@@ -120,25 +120,22 @@ def quantize_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_perc
     return _pack_one(codes, scales, group_size, scale_dtype)
 
 
-def _stack(parts: Sequence[Int4Experts], fallback: list[int]) -> Int4Experts:
-    return Int4Experts(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                       parts[0].group_size, method="gptq", rtn_fallback_experts=tuple(fallback))
-
-
-def gptq_quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, inputs_per_expert: Sequence[torch.Tensor],
+def gptq_quantize_experts(gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+                          inputs_per_expert: Sequence[torch.Tensor],
                           act_fn: ActFn, group_size: int = 128, *, damp_percent: float = 0.01,
                           engine: Engine = "gptqmodel", sequential: bool = True, act_group_aware: bool = False,
                           scale_dtype: torch.dtype = torch.float16) -> Int4ExpertLayer:
     """GPTQ INT4 of a layer's routed experts.
 
-    gate_up [E, 2I, H] (gate rows first), down [E, H, I]; inputs_per_expert[e] = the hidden
-    states [n_e, H] routed to expert e (n_e may be 0). `group_size` shrinks only when a dim forces it.
+    gate_up[e] [2I, H] (gate rows first), down[e] [H, I]: stacked tensors or per-expert views (one
+    expert is quantized at a time); inputs_per_expert[e] = the hidden states [n_e, H] routed to
+    expert e (n_e may be 0). `group_size` shrinks only when a dim forces it.
     """
-    num_experts, inter2, hidden = gate_up.shape
+    num_experts, hidden = len(gate_up), gate_up[0].shape[1]
     if len(inputs_per_expert) != num_experts:
         raise ValueError(f"{len(inputs_per_expert)} input sets for {num_experts} experts")
     gs_gu = default_group_size(hidden, group_size)
-    gs_dn = default_group_size(down.shape[2], group_size)
+    gs_dn = default_group_size(down[0].shape[1], group_size)
     gu_parts: list[Int4Experts] = []
     dn_parts: list[Int4Experts] = []
     fallback: list[int] = []
@@ -146,8 +143,8 @@ def gptq_quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, inputs_per_
         x_e = inputs_per_expert[e].reshape(-1, hidden)
         if x_e.shape[0] == 0:
             fallback.append(e)
-            gu_parts.append(quantize_rtn(gate_up[e:e + 1], gs_gu, scale_dtype))
-            dn_parts.append(quantize_rtn(down[e:e + 1], gs_dn, scale_dtype))
+            gu_parts.append(quantize_rtn(gate_up[e][None], gs_gu, scale_dtype))
+            dn_parts.append(quantize_rtn(down[e][None], gs_dn, scale_dtype))
             continue
         gu_q = quantize_linear(gate_up[e], x_e, gs_gu, damp_percent, engine, act_group_aware, scale_dtype)
         w_gu = dequantize(gu_q, torch.float32)[0] if sequential else gate_up[e].float()  # [2I, H]
@@ -155,6 +152,6 @@ def gptq_quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, inputs_per_
         a_e = act_fn(gate) * up  # [n_e, I]: the down projection's inputs
         gu_parts.append(gu_q)
         dn_parts.append(quantize_linear(down[e], a_e, gs_dn, damp_percent, engine, act_group_aware, scale_dtype))
-    return Int4ExpertLayer(_stack(gu_parts, fallback), _stack(dn_parts, fallback))
+    return Int4ExpertLayer(concat_experts(gu_parts, "gptq", tuple(fallback)), concat_experts(dn_parts, "gptq", tuple(fallback)))
 
 

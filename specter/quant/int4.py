@@ -19,7 +19,7 @@ and `g_idx [K]`; `from_gptq_tensors` / `to_gptq_tensors` convert between the two
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
@@ -143,17 +143,41 @@ def _round_scale_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return s
 
 
+def concat_experts(parts: Sequence[Int4Experts], method: Method = "rtn", rtn_fallback_experts: tuple[int, ...] = ()
+                   ) -> Int4Experts:
+    """Expert stacks quantized apart (one expert, or a few, at a time), as one stack in their order."""
+    return Int4Experts(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                       parts[0].group_size, method=method, rtn_fallback_experts=tuple(rtn_fallback_experts))
+
+
+# elements quantized at once: the temporaries (fp32 groups, int64 codes while packing) stay at a few
+# hundred MB even for Phi-3.5-MoE's 4096 x 6400 experts, where a whole layer at once needs > 20 GB
+RTN_BLOCK_ELEMENTS = 1 << 24
+
+
 def quantize_rtn(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float16) -> Int4Experts:
     """Round-to-nearest symmetric INT4 of an expert stack `w [E, N, K]` (K % group_size == 0).
 
     Per group: scale = 2·absmax/15 (GPTQ's symmetric grid), code = clamp(round(w/scale) + 8, 0, 15).
-    Every weight is within scale/2 of its dequantized value.
+    Every weight is within scale/2 of its dequantized value. Rows are quantized in blocks of about
+    RTN_BLOCK_ELEMENTS (groups never straddle rows, so the result does not depend on the block).
     """
     if w.dim() != 3:
         raise ValueError(f"expected [E, N, K], got {tuple(w.shape)}")
     e, n, k = w.shape
     if k % group_size or group_size % PACK:
         raise ValueError(f"K={k} must be a multiple of group_size={group_size}, itself a multiple of {PACK}")
+    rows = max(1, RTN_BLOCK_ELEMENTS // max(k, 1))
+    if e * n <= rows:
+        return _quantize_rtn_rows(w, group_size, scale_dtype)
+    flat = w.reshape(1, e * n, k)
+    parts = [_quantize_rtn_rows(flat[:, r:r + rows], group_size, scale_dtype) for r in range(0, e * n, rows)]
+    return Int4Experts(torch.cat([p.qweight for p in parts], 1).reshape(e, n, -1),
+                       torch.cat([p.scales for p in parts], 1).reshape(e, n, -1), group_size, method="rtn")
+
+
+def _quantize_rtn_rows(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> Int4Experts:
+    e, n, k = w.shape
     wg = w.detach().float().reshape(e, n, k // group_size, group_size)  # [E, N, G, gs]
     amax = wg.abs().amax(-1)  # [E, N, G]
     scale = torch.where(amax > 0, amax * (2.0 / MAXQ), torch.ones_like(amax))
