@@ -10,7 +10,8 @@ just after it (outside timing), next to the configured ratio; a record off by mo
 
 The link is timed twice. Building the runtime calibrates it from a first layer step (the model
 is cold then; the warm-up needs a link), and right after the warm-up `calibrate_after_warmup`
-re-times it from the median of `CALIBRATION_PROBES` probes: the same probe, in the same process
+re-times it from the median of `CALIBRATION_PROBES` probes (after one discarded: the probe model
+runs cold after the build): the same probe, in the same process
 state, that then brackets every record, so a quiet run's records agree with their own link.
 The probe (`measure_layer_step`: one-token decode steps of the plain model with every weight on
 the device, per layer) runs on a copy of the model kept for the run; `hardware.ratio_probe_steps=0`
@@ -96,6 +97,7 @@ def calibrate_after_warmup(cfg: DictConfig, checkpoint: Path, method: Any) -> fl
     if probe is None:
         return None
     built = params.per_layer_step_s
+    probe()  # discarded: the probe model's first steps since the build run cold
     step = statistics.median(probe() for _ in range(CALIBRATION_PROBES))
     rt.recalibrate_link(step, cfg.hardware.get("latency_us"), "warm-up probe")
     if params.calibration_file:
