@@ -244,3 +244,23 @@ def test_a_late_waking_link_thread_still_gives_modelled_copy_times(monkeypatch):
     finally:
         link.close()
     assert per_copy < 2e-3 * 1.08, f"{per_copy * 1e3:.3f} ms per 2 ms copy"  # uncompensated: ~2.4 ms
+
+
+@pytest.mark.parametrize("retime", [True, False])
+def test_the_link_follows_a_machine_that_drifts_between_records(retime, monkeypatch, capsys, tmp_path, tiny_checkpoint):
+    """The step doubles during record 0 (10 -> 20 ms): that record is flagged either way; re-timed from
+    its closing probe, records 1 and 2 run at r = 0.7 again, while a link timed once stays at 0.35."""
+    tiny_checkpoint("tiny_qwen")
+    monkeypatch.setattr(runtime, "specter_home", lambda: tmp_path / "home")
+    monkeypatch.setattr(runtime, "measure_layer_step", lambda model, steps=24: 10e-3)
+    probe, _ = _fake_probe([10.0] * (1 + load_ratio.CALIBRATION_PROBES) + [20.0])
+    monkeypatch.setattr(load_ratio, "measure_layer_step", probe)
+    out = tmp_path / "run"
+    rc, _, err = cli([*BASE, "num_prompts=3", f"hardware.retime_per_record={str(retime).lower()}",
+                      f"output_dir={out}"], capsys)
+    assert rc == 0, err[-2000:]
+    rec = pd.read_csv(out / "records.csv").sort_values("prompt_index")
+    assert rec.layer_step_ms.to_numpy() == pytest.approx([15.0, 20.0, 20.0])
+    assert rec.load_ratio_off.tolist() == ([1, 0, 0] if retime else [1, 1, 1])
+    later = rec.effective_load_ratio.iloc[1:].to_numpy()
+    assert later == pytest.approx([0.7, 0.7] if retime else [0.35, 0.35], rel=0.1)

@@ -19,7 +19,8 @@ from typing import Any
 import pandas as pd
 
 # Keys (the last part of a dotted config key) that observe or place a run and do not change it.
-MEASUREMENT_KEYS = ("trace_windows", "progress", "output_dir", "recalibrate", "allow_hub", "assets_dir",
+MEASUREMENT_KEYS = ("trace_windows", "progress", "output_dir", "recalibrate", "retime_per_record", "allow_hub",
+                    "assets_dir",
                     "verify_lossless", "lossless_tie_tolerance")
 SOURCES = ("main", "trace", "bench", "batch")
 

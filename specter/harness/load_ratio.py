@@ -15,7 +15,10 @@ runs cold after the build): the same probe, in the same process
 state, that then brackets every record, so a quiet run's records agree with their own link.
 The probe (`measure_layer_step`: one-token decode steps of the plain model with every weight on
 the device, per layer) runs on a copy of the model kept for the run; `hardware.ratio_probe_steps=0`
-skips it (no in-run recalibration; the layer step is then the build-time calibration's).
+skips it (no in-run recalibration; the layer step is then the build-time calibration's). With
+`hardware.retime_per_record` (the default) each record's closing probe also re-times the link for
+the next record: a machine that drifts by 15 % over a minute (this 2-core VM does) then moves the
+link with it, and a record is flagged only when the step changed while it ran.
 """
 
 from __future__ import annotations
@@ -115,12 +118,16 @@ def run_load_ratios(cfg: DictConfig, checkpoint: Path, method: Any, calibrated_s
     if rt is None or params is None:  # target_only, engine baselines: no link of ours
         return RecordRatios(None)
     tolerance = float(cfg.hardware.get("load_ratio_tolerance") or DEFAULT_TOLERANCE)
-    probe = None
+    probe = retime = None
     if params.kind == "emulated":
         probe = _layer_step_probe(cfg, checkpoint, method)
         if probe is None and params.per_layer_step_s:
             probe = lambda: params.per_layer_step_s
-    return RecordRatios(LoadRatioMonitor(rt.link, params, probe, tolerance, first_step_s=calibrated_step_s))
+        if calibrated_step_s is not None and cfg.hardware.get("retime_per_record"):
+            latency_us = cfg.hardware.get("latency_us")
+            retime = lambda step: rt.recalibrate_link(step, latency_us, "record probe")
+    return RecordRatios(LoadRatioMonitor(rt.link, params, probe, tolerance, first_step_s=calibrated_step_s,
+                                         retime=retime))
 
 
 def ratio_summary(records) -> dict[str, Any]:

@@ -36,7 +36,8 @@ from specter.harness.records import parse_records, text_digest
 from specter.paths import atomic_write_text, read_json_object
 
 # May differ between resumed runs: they change neither what is measured nor how.
-VOLATILE_KEYS = ("progress", "verbose", "output_dir", "allow_hub", "assets_dir", "hardware.recalibrate")
+VOLATILE_KEYS = ("progress", "verbose", "output_dir", "allow_hub", "assets_dir", "hardware.recalibrate",
+                "hardware.retime_per_record")
 PACKAGES = ("torch", "transformers", "gptqmodel", "hydra-core", "safetensors", "tokenizers", "datasets", "numpy")
 LOCK_NAME = ".specter.lock"
 PROVENANCE_NAME = "provenance.json"

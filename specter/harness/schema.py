@@ -62,6 +62,7 @@ class HardwareConfig:
     bandwidth_gbps: Optional[float] = None  # emulated link: fixed bandwidth (null = calibrate)
     latency_us: Optional[float] = None  # emulated link: fixed latency (null = 5% of a load)
     recalibrate: bool = True  # emulated link: measure the layer step in this run's warm-up (false: reuse the cached one)
+    retime_per_record: bool = True  # emulated link: re-time it before each record from the probe just taken (the machine drifts)
     load_ratio_tolerance: float = 0.25  # a record whose effective load ratio is off the configured one by more (relative) is flagged
     ratio_probe_steps: int = 12  # decode steps of the in-run layer-step probe around each record (0: no probe)
     draft_kernel: str = "auto"  # INT4 draft MoE kernel on CUDA: auto | triton | marlin | torch

@@ -196,16 +196,20 @@ class LoadRatioMonitor:
     the record copied nothing); the layer step is the mean of two probes, one just before the
     record (the warm-up probe for the first, or `first_step_s`) and one just after, both outside
     timing. `probe` returns a per-layer step in seconds (None: no probe, the layer step stays empty).
+    `retime` (optional) re-times the link from each closing probe, so a machine that drifts during
+    a run moves the link with it and each record is judged against the step it was timed from.
     """
 
     def __init__(self, link: Any, params: LinkParams, probe: Callable[[], float] | None = None,
-                 tolerance: float = DEFAULT_TOLERANCE, first_step_s: float | None = None):
+                 tolerance: float = DEFAULT_TOLERANCE, first_step_s: float | None = None,
+                 retime: Callable[[float], Any] | None = None):
         if not tolerance > 0:
             raise ValueError(f"load-ratio tolerance must be > 0, got {tolerance}")
         self.link = link
         self.params = params
         self.probe = probe
         self.tolerance = float(tolerance)
+        self.retime = retime  # called with each record's closing probe: the next record's link follows it
         self.configured = float(params.load_ratio) if params.calibrated and params.load_ratio else None
         # the step right after the warm-up (given: the in-run calibration just measured it)
         self.warmup_step_s = first_step_s if first_step_s is not None else probe() if probe is not None else None
@@ -230,4 +234,6 @@ class LoadRatioMonitor:
             after = self.probe()
             step = (self._last_step_s + after) / 2 if self._last_step_s is not None else after
             self._last_step_s = after
+            if self.retime is not None:
+                self.retime(after)
         return EffectiveRatio(self.configured, step, load, self.tolerance)
