@@ -43,7 +43,7 @@ from specter.offload.calibrate import (
     write_calibration,
 )
 
-PROBE_STEPS = 12  # one-token decode steps per in-run probe (3 rounds of 4; the median is kept)
+PROBE_STEPS = 36  # one-token decode steps per in-run probe (3 rounds of 12; the median is kept)
 CALIBRATION_PROBES = 3  # probes whose median re-times the link after the warm-up
 
 

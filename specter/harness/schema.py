@@ -64,7 +64,7 @@ class HardwareConfig:
     recalibrate: bool = True  # emulated link: measure the layer step in this run's warm-up (false: reuse the cached one)
     retime_per_record: bool = True  # emulated link: re-time it before each record from the probe just taken (the machine drifts)
     load_ratio_tolerance: float = 0.25  # a record whose effective load ratio is off the configured one by more (relative) is flagged
-    ratio_probe_steps: int = 12  # decode steps of the in-run layer-step probe around each record (0: no probe)
+    ratio_probe_steps: int = 36  # decode steps of the in-run layer-step probe around each record (0: no probe)
     draft_kernel: str = "auto"  # INT4 draft MoE kernel on CUDA: auto | triton | marlin | torch
     gpu_memory_gb: Optional[float] = None  # experiment=plan: the GPU's memory in GB (null = an A100 40 GB)
 

@@ -21,6 +21,7 @@ that the compute side can poll (``done``) or wait on (``wait``)::
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -181,6 +182,7 @@ class _Job:
 
 
 MAX_WAKE_LAG_S = 2e-3  # the emulated link's sleep compensation never exceeds this
+SWITCH_INTERVAL_S = 2e-4  # the interpreter's GIL switch interval while an emulated link runs
 
 
 class EmulatedLink(TransferLink):
@@ -200,6 +202,9 @@ class EmulatedLink(TransferLink):
         # how late time.sleep wakes this thread (it waits for the GIL behind the decode loop): an
         # average, slept off in advance, so a copy lasts its modelled time rather than ~10 % more
         self._wake_lag = 0.0
+        # a waking thread gets the GIL once the decode loop yields it, at the latest after the switch
+        # interval (5 ms by default, longer than a tiny model's expert load): keep it short
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._drain, name="emulated-h2d", daemon=True)
         self._thread.start()
 
@@ -248,14 +253,13 @@ class EmulatedLink(TransferLink):
                 self._queue.task_done()
 
     def _wait_until(self, deadline: float) -> None:
-        target = deadline - self._wake_lag
-        now = time.perf_counter()
-        if target > now:
-            time.sleep(target - now)
+        """Sleep to `deadline`, aiming each sleep one average wake-up lag early (no spinning: a
+        spinning thread holds the GIL the decode loop needs)."""
+        while (wait := deadline - self._wake_lag - time.perf_counter()) > 0:
+            target = time.perf_counter() + wait
+            time.sleep(wait)
             late = time.perf_counter() - target
             self._wake_lag = min(MAX_WAKE_LAG_S, max(0.0, self._wake_lag + 0.2 * (late - self._wake_lag)))
-        while time.perf_counter() < deadline:  # the last ~lag of the wait
-            time.sleep(0)
 
     def synchronize(self) -> None:
         self._queue.join()
