@@ -117,6 +117,9 @@ class MoESpec(Specter):
             raise ConfigError(f"method.budget must be an integer in 1..{E} (the routed experts), got {B!r}")
         if m.budget_mode not in BUDGET_MODES:
             raise ConfigError(f"unknown method.budget_mode {m.budget_mode!r}; choose one of {list(BUDGET_MODES)}")
+        if (cfg.method.get("decode_path") or "hf") != "hf":
+            raise ConfigError("moe_spec reads every router's logits through a forward hook on transformers' router "
+                              "modules, which the compact decode path fuses away: use method.decode_path=hf")
         if cfg.verify_lossless:
             raise ConfigError("moe_spec is lossy by design: verify_lossless does not apply (its records carry "
                               "first_divergence, token_match_fraction and target_nll instead)")

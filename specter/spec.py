@@ -75,6 +75,7 @@ class MethodSpec:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     planner_state: str = "warm"  # warm | cold | carry
     schedule: str = "expert"  # verification schedule: expert | token
+    decode_path: str = "hf"  # single-request forwards: hf (transformers' modules) | compact (specter.models.compact)
     # the device cache
     resident: int = 1  # M: slots per MoE layer
     staging: int | None = None  # staging buffers shared by all layers (None: the one rule, offload.budget.staging_buffers)

@@ -19,10 +19,10 @@ from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError
 from specter.harness.runners import runner_problem
-from specter.harness.runtime import build_runtime, final_runtime, gptq_draft_for, method_spec, staging_for
+from specter.harness.runtime import (build_runtime, compact_over, decode_path, final_runtime, gptq_draft_for, method_spec,
+                                     staging_for)
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats
-from specter.models.compact.decode import generate_compact
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
 from specter.offload.runtime import Runtime
@@ -39,7 +39,6 @@ from specter.speculative.batched import (
 )
 from specter.speculative.drafter import SharedDrafter
 from specter.speculative.engine import SpeculativeEngine
-from specter.speculative.sampling import next_token
 
 
 @dataclass
@@ -131,15 +130,15 @@ class TargetOnly(Method):
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         clock = CommitClock()
-        if self.compact is not None:
-            tokens = generate_compact(self.compact, prompt_ids, max_new_tokens,
-                                      lambda logits: next_token(logits, self.params, generator), clock)
-            return Generation(tokens, clock)
-        tokens = generate_autoregressive(self.model, prompt_ids, max_new_tokens, self.params, generator, clock)
+        tokens = generate_autoregressive(self.compact or self.model, prompt_ids, max_new_tokens, self.params,
+                                         generator, clock)
         return Generation(tokens, clock)
 
+    def static_fields(self) -> dict[str, Any]:
+        return {"decode_path": self.spec.decode_path}
+
     def environment(self) -> dict[str, Any]:
-        return {"decode_path": "compact" if self.compact is not None else "hf"}
+        return {"decode_path": self.spec.decode_path}
 
     def generate_batch(self, prompts, max_new_tokens, generators):
         return BatchedAutoregressive(self.model, self.params).generate_batch(prompts, max_new_tokens, generators)
@@ -172,12 +171,9 @@ class OffloadAR(Method):
         clock = CommitClock()
         log = RouteLog()
         busy0 = self.rt.link.busy_seconds
-        hook = self.rt.model.register_forward_pre_hook(lambda *_: log.begin_window())  # one window per step
-        try:
-            with self.rt.moe.mode("target", route_log=log):
-                tokens = generate_autoregressive(self.rt.model, prompt_ids, max_new_tokens, self.params, generator, clock)
-        finally:
-            hook.remove()
+        with self.rt.moe.mode("target", route_log=log):
+            tokens = generate_autoregressive(self.rt.forward_model, prompt_ids, max_new_tokens, self.params, generator,
+                                             clock, on_step=log.begin_window)  # one window per step
         stats = {**io_stats(self.rt.cache, self.rt.link.busy_seconds - busy0), "oracle_h2d_bytes": oracle_bytes(self.rt, log)}
         self.route_log = log
         return Generation(tokens, clock, stats, {"routes": log.rows()})
@@ -190,7 +186,8 @@ class OffloadAR(Method):
         return run
 
     def static_fields(self) -> dict[str, Any]:
-        return {"schedule": self.rt.moe.schedule, "resident_experts": self.rt.resident, **self.rt.record_fields()}
+        return {"schedule": self.rt.moe.schedule, "resident_experts": self.rt.resident, "decode_path": self.spec.decode_path,
+                **self.rt.record_fields()}
 
     def environment(self) -> dict[str, Any]:
         return self.rt.environment()
@@ -320,7 +317,8 @@ class Specter(Method):
 
     def static_fields(self) -> dict[str, Any]:
         return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.schedule,
-                "prefetch": self.engine.prefetch, "resident_experts": self.rt.resident, **self.rt.record_fields()}
+                "prefetch": self.engine.prefetch, "resident_experts": self.rt.resident,
+                "decode_path": self.spec.decode_path, **self.rt.record_fields()}
 
     def environment(self) -> dict[str, Any]:
         return {**self.rt.environment(), "K": self.K, "draft_quant": self.quant, "draft_bytes": self.draft_bytes,
@@ -332,17 +330,11 @@ class Specter(Method):
 
 
 def compact_decoder(cfg: DictConfig, model: torch.nn.Module):
-    """The compact decoder over `model` when `method.decode_path=compact`, else None."""
-    path = cfg.method.get("decode_path") or "hf"
-    if path not in ("hf", "compact"):
-        raise ConfigError(f"method.decode_path={path!r}: choose hf or compact")
-    if path == "hf":
+    """The compact decoder over `model` when `method.decode_path=compact`, else None (the offloading
+    methods get theirs from their runtime: `Runtime.forward_model`)."""
+    if decode_path(cfg) == "hf":
         return None
-    from specter.models.compact import SUPPORTED, build_compact
-
-    if model.config.model_type not in SUPPORTED:
-        raise ConfigError(f"method.decode_path=compact supports {SUPPORTED}, not {model.config.model_type!r}")
-    return build_compact(model, max_length=cfg.prefix_tokens + cfg.max_new_tokens + 8)
+    return compact_over(model, cfg.prefix_tokens + cfg.max_new_tokens + 8)
 
 
 class LosslessViolation(AssertionError):

@@ -28,7 +28,7 @@ KEY_COLUMNS = ("method", "model", "memory", "dataset", "prompt_index", "repeat")
 COLUMNS = (
     *KEY_COLUMNS,
     # what ran
-    "hardware", "K", "schedule", "prefetch", "resident_experts", "draft_quant", "batch_size",
+    "hardware", "K", "schedule", "prefetch", "resident_experts", "draft_quant", "decode_path", "batch_size",
     "prefix_tokens", "new_tokens",
     # latency (metrics.CommitClock)
     "tpot_ms", "ttft_ms", "e2e_ms",
@@ -48,7 +48,7 @@ COLUMNS = (
     "load_ratio", "effective_load_ratio", "layer_step_ms", "expert_load_ms", "load_ratio_off",
 )
 TEXT_COLUMNS = frozenset({"method", "model", "memory", "dataset", "hardware", "schedule", "prefetch", "draft_quant",
-                          "budget_mode", "lossless_check", "prompt_sha256", "output_digest"})
+                          "decode_path", "budget_mode", "lossless_check", "prompt_sha256", "output_digest"})
 NUMERIC_COLUMNS = tuple(c for c in COLUMNS if c not in TEXT_COLUMNS)
 REQUIRED_COLUMNS = (*KEY_COLUMNS, "new_tokens", "output_digest")  # empty in none of a finished record
 REJECTED_NAME = "records.rejected.csv"

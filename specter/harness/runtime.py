@@ -30,6 +30,7 @@ from specter.spec import BudgetSpec, CalibrationSpec, LinkSpec, MethodSpec
 from specter.speculative.sampling import SamplingParams
 
 GB = 1e9
+DECODE_PATHS = ("hf", "compact")
 
 
 def model_checkpoint(cfg: DictConfig) -> Path:
@@ -90,7 +91,7 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
         calibration=calibration_spec(cfg),
         prefetch=str(m.get("prefetch") or "none"), planner=PlannerConfig(**(m.get("planner") or {})),
         planner_state=str(m.get("planner_state") or "warm"), schedule=str(m.get("schedule") or "expert"),
-        resident=resident_experts(cfg),
+        resident=resident_experts(cfg), decode_path=decode_path(cfg),
         staging=staging,
         staging_per_layer=float(m.get("staging_per_layer", STAGING_PER_LAYER)),
         budget=budget_spec(cfg),
@@ -100,6 +101,23 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
         sequence_tokens=int(cfg.prefix_tokens + cfg.max_new_tokens), batch_sizes=sizes,
         verify_lossless=bool(cfg.get("verify_lossless")), tie_tolerance=float(cfg.get("lossless_tie_tolerance", 0.0)),
     )
+
+
+def decode_path(cfg: DictConfig) -> str:
+    """`method.decode_path`, checked: hf or compact."""
+    path = str(cfg.method.get("decode_path") or "hf")
+    if path not in DECODE_PATHS:
+        raise ConfigError(f"method.decode_path={path!r}: choose hf or compact")
+    return path
+
+
+def compact_over(model: torch.nn.Module, max_length: int):
+    """The compact decoder over a loaded model's tensors (ConfigError for an architecture it lacks)."""
+    from specter.models.compact import SUPPORTED, build_compact
+
+    if model.config.model_type not in SUPPORTED:
+        raise ConfigError(f"method.decode_path=compact supports {SUPPORTED}, not {model.config.model_type!r}")
+    return build_compact(model, max_length=max_length)
 
 
 def link_params(spec: MethodSpec, checkpoint: Path, expert_bytes: int, digest: str) -> LinkParams:
@@ -164,7 +182,8 @@ def build_runtime(spec: MethodSpec | DictConfig, checkpoint: Path, resident: int
     )
     cache.reset()  # the KV probe above ran through the cache
     full = non_expert + expert_bytes * len(layers) * om.num_experts
-    return Runtime(om, cache, link, moe, params, footprint, spec.budget.resolve(full), M, digest)
+    decoder = compact_over(om.model, spec.sequence_tokens + K + 2) if spec.decode_path == "compact" else None
+    return Runtime(om, cache, link, moe, params, footprint, spec.budget.resolve(full), M, digest, decoder)
 
 
 def staging_for(spec: MethodSpec, rt: Runtime, footprint: Footprint) -> int:

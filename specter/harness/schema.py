@@ -74,7 +74,7 @@ class MethodConfig:
     name: str = MISSING
     runner: str = MISSING  # "package.module:Class" implementing specter.harness.methods.Method
     speculative: bool = False
-    decode_path: str = "hf"  # hf (transformers modules) | compact (specter.models.compact; target_only so far)
+    decode_path: str = "hf"  # single-request decoding: hf (transformers modules) | compact (specter.models.compact)
 
 
 @dataclass

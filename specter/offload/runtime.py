@@ -34,10 +34,17 @@ class Runtime:
     budget_bytes: int
     resident: int  # M: device slots per MoE layer
     weights_digest: str = ""
+    decoder: Any = None  # the compact decoder over `model`'s tensors (decode_path=compact), else None
 
     @property
     def model(self) -> torch.nn.Module:
         return self.om.model
+
+    @property
+    def forward_model(self) -> Any:
+        """What single-request decoding calls: the compact decoder when there is one, else the model
+        (both take `(input_ids=..., cache=...)` and return `.logits`; the batched paths use the model)."""
+        return self.decoder if self.decoder is not None else self.om.model
 
     def close(self) -> None:
         self.link.close()

@@ -305,6 +305,8 @@ class BatchedSpeculativeEngine(BatchLoop, SpeculativeEngine):
     runs B×(Kb+1) positions expert-wise. `generate()` (inherited) remains the single-request loop.
     """
 
+    batched = True
+
     def __init__(self, rt, K: int, params: SamplingParams, prefetch: str = "adaptive", planner_config=None,
                  planner_state="warm", expert_filter: ExpertFilter | None = None, max_holes: int = 0,
                  plan_cap: int | None = None, planner=None, drafter=None):

@@ -108,6 +108,8 @@ def prefetch_at_boundary(cache, planner, step: int, plan: dict[int, list[int]], 
 class SpeculativeEngine:
     """Draft with INT4 experts, prefetch by the planner, verify expert-wise with the target."""
 
+    batched = False  # True: forwards carry per-row positions and masks (BatchedSpeculativeEngine)
+
     def __init__(self, rt: Runtime, K: int, params: SamplingParams, prefetch: str = "adaptive",
                  planner_config: PlannerConfig | None = None, planner_state: PlannerState = "warm",
                  expert_filter: ExpertFilter | None = None, plan_cap: int | None = None,
@@ -124,7 +126,9 @@ class SpeculativeEngine:
         self.rt, self.K, self.params, self.prefetch = rt, K, params, self.planner.name
         self.planner_state = planner_state
         self.expert_filter = expert_filter
-        self.model = rt.model
+        # single-request forwards: the compact decoder or the transformers model; batched forwards need
+        # per-row positions and masks, which only transformers' modules take
+        self.model = rt.model if self.batched else rt.forward_model
         self.cache = rt.cache
         self.moe = rt.moe
         self.drafter = drafter or SharedDrafter(self.model, self.moe)
@@ -133,7 +137,7 @@ class SpeculativeEngine:
         # experts a window's plan keeps per layer; a verifier that computes at most `plan_cap` experts per
         # layer (MoE-Spec's budget) caps it, so the planner predicts no more than verification can use
         self.plan_capacity = plan_capacity(self.capacity, getattr(self.cache, "staging", 0), plan_cap)
-        self.device = next(self.model.parameters()).device
+        self.device = next(rt.model.parameters()).device
         counted = self.prefetch not in ("none", "oracle")  # the oracle plans from a probe, not the ELB
         self.elb = ExpertLoadBuffer(self.layers, rt.om.num_experts, self.device) if counted else None
         self.cold = self.warm = self.planner.snapshot()
@@ -172,7 +176,7 @@ class SpeculativeEngine:
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
                  clock: CommitClock | None = None) -> tuple[list[int], dict[str, Any]]:
         clock = self.clock = clock or CommitClock()
-        state = SequenceState.new(self.model)
+        state = SequenceState.new(self.model, prompt_ids.shape[1] + max_new_tokens + self.K + 2)
         self.drafter.begin(prompt_ids)
         trace = self.trace = WindowTrace()
         self.route_log = RouteLog()

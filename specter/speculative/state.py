@@ -10,22 +10,31 @@ The corrected or bonus token becomes the next uncached input.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
 from transformers import DynamicCache
+
+
+def new_kv_cache(model: Any, capacity: int = 0) -> Any:
+    """An empty KV cache for `model`: its own `new_cache(capacity)` (the compact decoder), else a DynamicCache."""
+    if hasattr(model, "new_cache"):
+        return model.new_cache(max(capacity, 16))
+    return DynamicCache(config=model.config)
 
 
 @dataclass
 class SequenceState:
     """Per-request state (batch-ready: one of these per sequence)."""
 
-    cache: DynamicCache
+    cache: Any  # DynamicCache, or the compact decoder's StaticKVCache
     tokens: list[int] = field(default_factory=list)  # committed generated tokens
     committed_kv: int = 0  # positions whose target KV is authoritative
 
     @classmethod
-    def new(cls, model: torch.nn.Module) -> "SequenceState":
-        return cls(DynamicCache(config=model.config))
+    def new(cls, model: Any, capacity: int = 0) -> "SequenceState":
+        """A fresh sequence on `model`'s kind of cache: transformers' DynamicCache, or the compact
+        decoder's preallocated StaticKVCache (`capacity` positions, grown if a request needs more)."""
+        return cls(new_kv_cache(model, capacity))
 
     def kv_length(self) -> int:
         return self.cache.get_seq_length()

@@ -135,7 +135,11 @@ class CompactCausalLM:
         return self.head(self.norm(x)).view(b, t, -1)  # [B, T, V]
 
     def __call__(self, input_ids: torch.Tensor, cache: StaticKVCache | None = None, use_cache: bool = True,
-                 logits_to_keep: int = 0, **_ignored) -> SimpleNamespace:
+                 logits_to_keep: int = 0, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
+        if position_ids is not None or attention_mask is not None:  # never silently drop a batch's padding
+            raise ValueError("the compact decoder takes no position_ids/attention_mask (one shared length per "
+                             "cache); batched decoding with padding runs on the transformers model")
         if cache is None:
             cache = self.new_cache(input_ids.shape[1])
         return SimpleNamespace(logits=self.forward(input_ids, cache, last_only=logits_to_keep == 1), cache=cache)
