@@ -57,7 +57,7 @@ def test_k_sweep_picks_min_tpot_and_feeds_specter(tiny_checkpoint, tmp_path):
     table = pd.read_csv(out / "k_sweep.csv")
     profile = json.loads((out / "k_profile.json").read_text())
     assert list(table.K) == [1, 3]
-    assert profile["K"] in (1, 3) and profile["swept"] == [1, 3]
+    assert profile["K"] in (1, 3) and profile["swept"] == [1, 3] and profile["at_edge"] is True  # two values: both edges
     for K in (1, 3):
         rec = pd.read_csv(out / f"K={K}" / "records.csv")
         assert (rec.K == K).all() and rec.drafted_tokens.gt(0).all()

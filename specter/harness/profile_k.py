@@ -61,11 +61,14 @@ def profile_k(cfg: DictConfig) -> Path:
         "K": int(best.K), "mean_tpot_ms": float(best.mean_tpot_ms),
         "acceptance_alpha": alpha, "expected_accepted_run": alpha / (1 - alpha) if alpha < 1 else None,
         "swept": [int(k) for k in table.K],
+        # the minimum at the smallest or largest K swept: the true optimum may lie outside the range
+        "at_edge": int(best.K) in (int(table.K.min()), int(table.K.max())) and len(table) > 1,
     }
     try:
         atomic_write_text(root / "k_profile.json", json.dumps(profile, indent=1))
     except OSError as err:
         raise ConfigError(f"cannot write {root / 'k_profile.json'} ({err.strerror or err})") from None
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"chosen K = {profile['K']} (lowest mean TPOT) -> {root / 'k_profile.json'}")
+    edge = " — at the edge of the swept range: widen k_sweep.values to see the minimum" if profile["at_edge"] else ""
+    print(f"chosen K = {profile['K']} (lowest mean TPOT){edge} -> {root / 'k_profile.json'}")
     return root
