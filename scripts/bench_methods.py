@@ -11,6 +11,8 @@ ratios that matter, and prints it:
 Suites:  offload   target_only vs offload_ar
          specter   offload_ar vs specter (adaptive prefetch)
          prefetch  specter with prefetch adaptive / none / late / oracle vs offload_ar
+         decode    target_only, offload_ar and specter on both decode paths (transformers' modules,
+                   and the compact decoder: method.decode_path=compact)
 Ratios are speedups over offload_ar (TPOT_offload_ar / TPOT_method, >1 = faster), measured in the
 same process on the same machine; medians over records. Needs the trained tiny models
 (python initialization/train_tiny.py) unless --untrained.
@@ -33,11 +35,17 @@ SUITES = {
     "offload": [("target_only", {}), ("offload_ar", {})],
     "specter": [("offload_ar", {}), ("specter", {"method.prefetch": "adaptive"})],
     "prefetch": [("offload_ar", {})] + [("specter", {"method.prefetch": p}) for p in ("adaptive", "none", "late", "oracle")],
+    "decode": [(m, {**x, **p}) for m, x in (("target_only", {}), ("offload_ar", {}), ("specter", {"method.prefetch": "adaptive"}))
+               for p in ({}, {"method.decode_path": "compact"})],
 }
 
 
 def variant_name(method: str, extra: dict) -> str:
-    return method if method != "specter" else f"specter[{extra.get('method.prefetch', 'adaptive')}]"
+    """offload_ar, specter[adaptive], specter[adaptive,compact], target_only[compact], ..."""
+    tags = [extra.get("method.prefetch", "adaptive")] if method == "specter" else []
+    if extra.get("method.decode_path") == "compact":
+        tags.append("compact")
+    return f"{method}[{','.join(tags)}]" if tags else method
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             for dataset in args.datasets.split(","):
                 for method, extra in variants:
                     name = variant_name(method, extra)
-                    folder = f"{model}-{memory}-{dataset}-{name.replace('[', '-').rstrip(']')}"
+                    folder = f"{model}-{memory}-{dataset}-{name.replace('[', '-').rstrip(']').replace(',', '-')}"
                     overrides = [
                         f"model={model}", f"memory={memory}", f"method={method}", f"dataset={dataset}",
                         f"hardware={args.hardware}", f"num_prompts={args.num_prompts}", f"repeats={args.repeats}",
