@@ -79,3 +79,24 @@ def test_moe_spec_refuses_the_compact_path(tiny_checkpoint):
     cfg = compose(["model=tiny_qwen", "memory=low", "method=moe_spec", *LINK, "method.decode_path=compact"])
     with pytest.raises(ConfigError, match="decode_path=hf"):
         build_method(cfg, tiny_checkpoint("tiny_qwen"))
+
+
+def test_the_link_is_timed_from_the_step_of_the_decode_path_in_use(tiny_checkpoint):
+    """r is relative to the layer step the run takes: on the compact path the probe decodes with
+    the compact decoder (several times fewer operators), and the calibration cache keeps one step
+    per decode path."""
+    from specter.harness.load_ratio import probe_decoder
+    from specter.offload.calibrate import measure_layer_step
+
+    ckpt = tiny_checkpoint("tiny_qwen")
+    hf = probe_decoder(ckpt, torch.float32, torch.device("cpu"), "hf")
+    compact = probe_decoder(ckpt, torch.float32, torch.device("cpu"), "compact")
+    assert isinstance(compact, CompactCausalLM) and compact.hf is hf
+    assert measure_layer_step(compact, steps=12) > 0 and measure_layer_step(hf, steps=12) > 0
+    cfg = compose(["model=tiny_qwen", "memory=low", "method=offload_ar", "hardware=emulated",
+                   "method.decode_path=compact", "max_new_tokens=4"])
+    m = build_method(cfg, ckpt)
+    try:
+        assert m.rt.link_params.calibration_file.endswith("-compact.json")
+    finally:
+        m.close()

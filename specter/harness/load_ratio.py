@@ -56,6 +56,21 @@ def probe_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> t
     return load_full_model(checkpoint, dtype, device)
 
 
+@lru_cache(maxsize=1)
+def _compact_probe(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    from specter.models.compact import build_compact
+
+    return build_compact(probe_model(checkpoint, dtype, device), max_length=64)
+
+
+def probe_decoder(checkpoint: Path, dtype: torch.dtype, device: torch.device, decode_path: str = "hf") -> Any:
+    """What the layer-step probe decodes with: the plain model on the run's own decode path (the
+    compact decoder's step is several times shorter, and r is relative to the step the run takes)."""
+    if decode_path == "compact":
+        return _compact_probe(checkpoint, dtype, device)
+    return probe_model(checkpoint, dtype, device)
+
+
 class RecordRatios:
     """Per-record load-ratio columns of one run (empty columns where the method has no emulated link)."""
 
@@ -84,7 +99,7 @@ def _layer_step_probe(cfg: DictConfig, checkpoint: Path, method: Any) -> Callabl
     steps = _probe_steps(cfg)
     if steps <= 0:
         return None
-    model = probe_model(checkpoint, method.dtype, method.device)
+    model = probe_decoder(checkpoint, method.dtype, method.device, getattr(method.spec, "decode_path", "hf"))
     return lambda: measure_layer_step(model, steps=steps)
 
 
@@ -140,5 +155,5 @@ def ratio_summary(records) -> dict[str, Any]:
             "load_ratio_off": int(off.sum()) if len(off) else None}
 
 
-__all__ = ["CALIBRATION_PROBES", "EffectiveRatio", "PROBE_STEPS", "RecordRatios", "calibrate_after_warmup", "probe_model",
-           "ratio_summary", "run_load_ratios"]
+__all__ = ["CALIBRATION_PROBES", "EffectiveRatio", "PROBE_STEPS", "RecordRatios", "calibrate_after_warmup", "probe_decoder",
+           "probe_model", "ratio_summary", "run_load_ratios"]

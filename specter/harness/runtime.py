@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, bind_checkpoint, effective_K, resident_experts
-from specter.harness.load_ratio import probe_model
+from specter.harness.load_ratio import probe_decoder
 from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
 from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
 from specter.moe import MoERuntime
@@ -126,10 +126,12 @@ def link_params(spec: MethodSpec, checkpoint: Path, expert_bytes: int, digest: s
         return LinkParams(kind=link.kind)
     if link.bandwidth_gbps:
         return fixed_link(expert_bytes, link.bandwidth_gbps, link.latency_us)
-    key = f"{safe_name(spec.model, 'model.name')}-{digest[:12]}-{spec.dtype}-t{torch.get_num_threads()}"
+    path_tag = "" if spec.decode_path == "hf" else f"-{spec.decode_path}"  # each decode path has its own step
+    key = f"{safe_name(spec.model, 'model.name')}-{digest[:12]}-{spec.dtype}-t{torch.get_num_threads()}{path_tag}"
     path = specter_home() / "calibration" / f"{key}.json"
     params = calibrated_link(expert_bytes, link.load_ratio, path,
-                             lambda: measure_layer_step(probe_model(checkpoint, spec.torch_dtype, spec.torch_device)),
+                             lambda: measure_layer_step(probe_decoder(checkpoint, spec.torch_dtype, spec.torch_device,
+                                                                      spec.decode_path)),
                              latency_us=link.latency_us, recalibrate=link.recalibrate)
     print(f"emulated link for {spec.model}: layer step {params.per_layer_step_s * 1e3:.3f} ms x load_ratio "
           f"{params.load_ratio} -> expert load {params.expert_load_s * 1e3:.3f} ms ({expert_bytes / 1e6:.2f} MB at "

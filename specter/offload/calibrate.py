@@ -54,16 +54,17 @@ class LinkParams:
         return asdict(self)
 
 
-def measure_layer_step(model: torch.nn.Module, steps: int = 24) -> float:
-    """Median one-token decode step of a model with every weight on its device, per layer."""
+def measure_layer_step(model: Any, steps: int = 24) -> float:
+    """Median one-token decode step of a model with every weight on its device, per layer: a
+    transformers model, or the compact decoder over one (the step of the decode path a run uses)."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    device = model.device if hasattr(model, "new_cache") else next(model.parameters()).device
     ids = torch.arange(16, device=device)[None]  # [1, 16]
     times = []
     with torch.inference_mode():
         for _ in range(3):
-            cache = DynamicCache(config=model.config)
+            cache = model.new_cache(16 + steps) if hasattr(model, "new_cache") else DynamicCache(config=model.config)
             model(input_ids=ids, cache=cache)
             tok = ids[:, -1:]
             for _ in range(steps // 3):
