@@ -214,25 +214,27 @@ def test_a_slow_link_on_a_busy_machine_is_not_refused(tmp_path):
     assert p.expert_load_s == pytest.approx(0.24) and p.bandwidth_bytes_per_s < 1e6
 
 
-def test_a_late_waking_link_thread_still_gives_modelled_copy_times(monkeypatch):
-    """time.sleep that wakes 0.4 ms late (the link thread waits for the GIL behind the decode loop):
-    the link sleeps that lag off in advance, so 2 ms copies last 2 ms, not 2.4 ms."""
-    import time as time_mod
+def test_a_late_waking_link_thread_still_gives_modelled_copy_times():
+    """On a virtual clock where every sleep wakes 0.4 ms late (the link thread waits for the GIL
+    behind the decode loop): the link learns the lag and sleeps it off in advance, so 2 ms copies
+    last 2 ms, not 2.4 ms. (Deterministic: the clock only moves when the link sleeps.)"""
+    import threading
 
-    from specter.offload import link as link_mod
+    class LateClock:
+        def __init__(self):
+            self.t, self.lock = 0.0, threading.Lock()
 
-    real_sleep = time_mod.sleep
+        def now(self) -> float:
+            with self.lock:
+                return self.t
 
-    def late_sleep(s):
-        real_sleep(s)
-        if s > 0:
-            end = time_mod.perf_counter() + 4e-4
-            while time_mod.perf_counter() < end:
-                pass
+        def sleep(self, s: float) -> None:
+            with self.lock:
+                self.t += s + 4e-4
 
-    monkeypatch.setattr(link_mod.time, "sleep", late_sleep)
+    clock = LateClock()
     n, copies = 4096, 40
-    link = EmulatedLink(bandwidth_bytes_per_s=n / 2e-3)
+    link = EmulatedLink(bandwidth_bytes_per_s=n / 2e-3, clock=clock.now, sleep=clock.sleep)
     try:
         src, dst = torch.ones(n // 4), torch.zeros(n // 4)
         for _ in range(copies // 2):  # the lag is learned over the first copies
@@ -243,13 +245,14 @@ def test_a_late_waking_link_thread_still_gives_modelled_copy_times(monkeypatch):
         per_copy = (link.stats.busy_seconds - before) / (copies // 2)
     finally:
         link.close()
-    assert per_copy < 2e-3 * 1.08, f"{per_copy * 1e3:.3f} ms per 2 ms copy"  # uncompensated: ~2.4 ms
+    assert 2e-3 <= per_copy < 2e-3 * 1.01, f"{per_copy * 1e3:.4f} ms per 2 ms copy"  # uncompensated: 2.4 ms
 
 
 @pytest.mark.parametrize("retime", [True, False])
 def test_the_link_follows_a_machine_that_drifts_between_records(retime, monkeypatch, capsys, tmp_path, tiny_checkpoint):
     """The step doubles during record 0 (10 -> 20 ms): that record is flagged either way; re-timed from
-    its closing probe, records 1 and 2 run at r = 0.7 again, while a link timed once stays at 0.35."""
+    its closing probe, records 1 and 2 load at 0.7 x 20 ms again, while a link timed once stays at
+    0.7 x 10 ms (r = 0.35 against the new step: flagged)."""
     tiny_checkpoint("tiny_qwen")
     monkeypatch.setattr(runtime, "specter_home", lambda: tmp_path / "home")
     monkeypatch.setattr(runtime, "measure_layer_step", lambda model, steps=24: 10e-3)
@@ -261,6 +264,10 @@ def test_the_link_follows_a_machine_that_drifts_between_records(retime, monkeypa
     assert rc == 0, err[-2000:]
     rec = pd.read_csv(out / "records.csv").sort_values("prompt_index")
     assert rec.layer_step_ms.to_numpy() == pytest.approx([15.0, 20.0, 20.0])
-    assert rec.load_ratio_off.tolist() == ([1, 0, 0] if retime else [1, 1, 1])
-    later = rec.effective_load_ratio.iloc[1:].to_numpy()
-    assert later == pytest.approx([0.7, 0.7] if retime else [0.35, 0.35], rel=0.1)
+    load = rec.expert_load_ms.to_numpy()  # measured: at least the modelled time, more on a busy machine
+    if retime:  # re-timed to the 20 ms step after record 0: 14 ms per load
+        assert load[0] >= 7.0 and (load[1:] >= 14.0).all()
+        assert rec.load_ratio_off.iloc[0] == 1
+    else:  # still timed for 10 ms: 7 ms per load against a 20 ms step, every record off
+        assert (load >= 7.0).all() and (load[1:] < 14.0).all()
+        assert rec.load_ratio_off.tolist() == [1, 1, 1]

@@ -188,8 +188,10 @@ SWITCH_INTERVAL_S = 2e-4  # the interpreter's GIL switch interval while an emula
 class EmulatedLink(TransferLink):
     """One emulated copy engine: serialized copies, each lasting ``latency + nbytes/bandwidth``."""
 
-    def __init__(self, bandwidth_bytes_per_s: float, latency_s: float = 0.0):
+    def __init__(self, bandwidth_bytes_per_s: float, latency_s: float = 0.0, *,
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
         super().__init__()
+        self._clock, self._sleep = clock, sleep  # injectable: tests drive the link on a virtual clock
         if bandwidth_bytes_per_s <= 0:
             raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s}")
         if latency_s < 0:
@@ -223,7 +225,7 @@ class EmulatedLink(TransferLink):
         with self._lock:
             nbytes = self._check_submit(src_flat, dst_flat)
         ticket = _ThreadTicket(nbytes)
-        self._queue.put(_Job(src_flat, dst_flat, after, ticket, time.perf_counter(), tag))
+        self._queue.put(_Job(src_flat, dst_flat, after, ticket, self._clock(), tag))
         return ticket
 
     def _drain(self) -> None:
@@ -236,11 +238,11 @@ class EmulatedLink(TransferLink):
                 start = max(job.submitted, self._prev_finish)
                 if job.after is not None and hasattr(job.after, "wait"):
                     job.after.wait()  # the slot's last use: the copy cannot start before it ends
-                    start = max(start, time.perf_counter())
+                    start = max(start, self._clock())
                 deadline = start + self.transfer_seconds(job.ticket.nbytes)
                 job.dst.copy_(job.src)
                 self._wait_until(deadline)
-                finish = max(deadline, time.perf_counter())
+                finish = max(deadline, self._clock())
                 self._prev_finish = finish
                 with self._lock:
                     self._stats.busy_seconds += finish - start
@@ -255,10 +257,10 @@ class EmulatedLink(TransferLink):
     def _wait_until(self, deadline: float) -> None:
         """Sleep to `deadline`, aiming each sleep one average wake-up lag early (no spinning: a
         spinning thread holds the GIL the decode loop needs)."""
-        while (wait := deadline - self._wake_lag - time.perf_counter()) > 0:
-            target = time.perf_counter() + wait
-            time.sleep(wait)
-            late = time.perf_counter() - target
+        while (wait := deadline - self._wake_lag - self._clock()) > 0:
+            target = self._clock() + wait
+            self._sleep(wait)
+            late = self._clock() - target
             self._wake_lag = min(MAX_WAKE_LAG_S, max(0.0, self._wake_lag + 0.2 * (late - self._wake_lag)))
 
     def synchronize(self) -> None:
