@@ -9,11 +9,15 @@ and shared by all layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specter.models.compact.cache import StaticKVCache
-from specter.models.compact.ops import Proj, Rope, attend, cols, fuse, norm_of, proj, seq
+
+if TYPE_CHECKING:
+    from specter.models.compact.static import StaticTokens
+from specter.models.compact.ops import Proj, Rope, attend, attend_masked, cols, fuse, norm_of, proj, seq
 
 
 @dataclass
@@ -66,6 +70,18 @@ class GQAAttention:
         k = seq(keys, lo, pos + 1 - lo)[0]  # [Hkv, pos+1-lo, D]
         v = seq(values, lo, pos + 1 - lo)[0]
         o = attend(qk[:h].view(hkv, h // hkv, d), k, v, None, self.scale, 1)  # [Hkv, g, D]
+        return self.o(o.view(1, h * d))  # [1, H]
+
+    def static_token(self, x: torch.Tensor, z: "StaticTokens") -> torch.Tensor:
+        """One token at the tensor position `z.pos` with static shapes and no host sync (compilable,
+        CUDA-graph capturable): KV written by index, attention over the whole buffer under `z.mask`."""
+        h, hkv, d = self.h, self.hkv, self.d
+        qkv = self.qkv(x).view(h + 2 * hkv, d)  # [Hq+2Hkv, D]
+        qk = self.rope.apply_rows(qkv[:h + hkv], z.cos, z.sin)  # [Hq+Hkv, D]
+        keys, values = z.keys[self.layer][0], z.values[self.layer][0]  # [Hkv, S_max, D] each
+        keys.index_copy_(1, z.pos, qk[h:].view(hkv, 1, d))
+        values.index_copy_(1, z.pos, qkv[h + hkv:].view(hkv, 1, d))
+        o = attend_masked(qk[:h].view(hkv, h // hkv, d), keys, values, z.mask, self.scale)  # [Hkv, g, D]
         return self.o(o.view(1, h * d))  # [1, H]
 
 
@@ -151,5 +167,24 @@ class MLAAttention:
         seq(keys, pos, 1).copy_(torch.cat([latent, pe[h:]], -1).view(1, 1, 1, -1))
         kv = seq(keys, 0, pos + 1).view(1, pos + 1, -1)  # [1, pos+1, rank+rope]
         o = attend(query.view(1, h, -1), kv, kv[..., :rank], None, self.scale, 1)  # [1, Hq, rank]
+        o = torch.bmm(o.view(h, 1, rank), self.w_uv_t)  # [Hq, 1, v]
+        return self.o(o.view(1, h * self.vdim))  # [1, H]
+
+    def static_token(self, x: torch.Tensor, z: "StaticTokens") -> torch.Tensor:
+        """`one_token` at the tensor position `z.pos` (static shapes, no host sync)."""
+        h, nope, rank = self.h, self.nope, self.rank
+        a = self.in_proj(x)  # [1, q_width + rank + rope]
+        q = cols(a, 0, self.q_width)
+        if self.q_b is not None:
+            q = self.q_b(self.q_norm(q))  # [1, Hq*(nope+rope)]
+        q = q.view(h, nope + self.rope_dim)  # [Hq, nope+rope]
+        latent = self.kv_norm(cols(a, self.q_width, rank))  # [1, rank]
+        pe = self.rope.apply_rows(torch.cat([q[:, nope:], cols(a, self.q_width + rank, self.rope_dim)]),
+                                  z.cos, z.sin)  # [Hq+1, rope]
+        q_lat = torch.bmm(q[:, :nope].unsqueeze(1), self.w_uk)  # [Hq, 1, rank]
+        query = torch.cat([q_lat.view(h, rank), pe[:h]], -1)  # [Hq, rank+rope]
+        kv = z.keys[self.layer][0]  # [1, S_max, rank+rope]
+        kv.index_copy_(1, z.pos, torch.cat([latent, pe[h:]], -1).view(1, 1, -1))
+        o = attend_masked(query.view(1, h, -1), kv, kv[..., :rank], z.mask, self.scale)  # [1, Hq, rank]
         o = torch.bmm(o.view(h, 1, rank), self.w_uv_t)  # [Hq, 1, v]
         return self.o(o.view(1, h * self.vdim))  # [1, H]

@@ -65,7 +65,10 @@ def fuse(linears: Sequence[torch.nn.Module]) -> Proj:
 
 
 def cols(a: torch.Tensor, start: int, width: int) -> torch.Tensor:
-    """a[:, start:start+width] of a 2-D tensor as one `as_strided` (indexing costs two operators)."""
+    """a[:, start:start+width] of a 2-D tensor as one `as_strided` (indexing costs two operators;
+    under torch.compile, where operators cost nothing, the plain slice that the tracer understands)."""
+    if torch.compiler.is_compiling():
+        return a[:, start:start + width]
     return a.as_strided((a.shape[0], width), (a.stride(0), a.stride(1)), a.storage_offset() + start * a.stride(1))
 
 
@@ -211,6 +214,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.bmm(p.to(v.dtype) if p.dtype != v.dtype else p, v)  # [G_b, g*T, D_v]
 
 
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query position against a whole static buffer: q [G, g, D], k [G, S_max, D], v [G, S_max, D_v],
+    additive mask [S_max] (0 at the positions it sees, -inf elsewhere) -> [G, g, D_v]. Softmax in fp32."""
+    scores = torch.bmm(q, k.transpose(1, 2)) * scale + mask  # [G, g, S_max]
+    p = torch.softmax(scores.float(), -1)
+    return torch.bmm(p.to(v.dtype), v)  # [G, g, D_v]
+
+
 # -------------------------------------------------------------------------------------- experts
 def glu(h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], inter: int) -> torch.Tensor:
     """act(gate) * up for h = [gate | up] along the last dim of a 2-D [N, 2I] tensor."""
@@ -248,6 +259,7 @@ class FusedExperts:
 
     def __init__(self, module: torch.nn.Module):
         gate_up, down = module.gate_up_proj, module.down_proj  # [E, 2I, H], [E, H, I]
+        self.gate_up, self.down_all = gate_up, down
         self.inter = down.shape[-1]
         self.gate = list(gate_up[:, :self.inter].unbind(0))  # E x [I, H] views
         self.up = list(gate_up[:, self.inter:].unbind(0))  # E x [I, H] views
@@ -292,6 +304,31 @@ class FusedExperts:
             out.index_add_(0, rows, y)
             start += c
         return out
+
+
+class GatheredExperts:
+    """Routed experts as indexed reductions, `sum_h W[idx, i, h] · x[h]`, with static shapes and no
+    host sync: under torch.compile the gather fuses into the reduction, so only the routed experts'
+    weights are read and nothing is copied; on a GPU the step is capturable. Eager, it materialises
+    the gathered weights (slow; `FusedExperts` is the eager path). Dropped routes (index >= E)
+    read expert E-1 with weight 0. Same signature as every experts callable:
+    (x [N, H], topk_idx [N, k], topk_w [N, k]) -> [N, H]."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]):
+        self.gate_up, self.down, self.act = gate_up, down, act  # [E, 2I, H], [E, H, I]
+        self.inter, self.num_experts = down.shape[-1], gate_up.shape[0]
+
+    @classmethod
+    def of(cls, experts: FusedExperts) -> "GatheredExperts":
+        return cls(experts.gate_up, experts.down_all, experts.act)
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        idx = topk_idx.clamp(max=self.num_experts - 1)  # [N, k]
+        w = torch.where(topk_idx < self.num_experts, topk_w, 0).to(x.dtype)  # [N, k]
+        gu = (self.gate_up[idx] * x[:, None, None, :]).sum(-1)  # [N, k, 2I]
+        h = self.act(gu[..., :self.inter]) * gu[..., self.inter:]  # [N, k, I]
+        y = (self.down[idx] * h[..., None, :]).sum(-1)  # [N, k, H]
+        return (y * w[..., None]).sum(1)  # [N, H]
 
 
 def gather_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: torch.Tensor,

@@ -1,0 +1,120 @@
+"""The one-token decode step with static shapes: what `torch.compile` and CUDA graphs capture.
+
+`CompactCausalLM.forward` handles any (B, T) with Python-int positions and views sized to the
+cache's length, so every step has a new shape. `StaticStep` runs the same layers for B = T = 1
+with the position as a tensor: KV written with `index_copy_` at `pos`, attention over the whole
+preallocated buffer under an additive mask (positions past `pos`, and outside a sliding window,
+get -inf), rope rows gathered at `pos`, and the routed experts as indexed reductions
+(`GatheredExperts`) instead of a Python loop over `.tolist()` indices. Nothing in it reads a
+tensor back to the host, so one trace serves every position of a cache of a given capacity.
+
+    step = StaticStep(compact, compile=True)     # eager when compile=False (the reference of the compiled step)
+    logits = step(token [1, 1], cache)           # [1, 1, V]; advances cache.length by one
+
+Only blocks whose experts are all on the device (a plain transformers experts module, as in
+target_only) have a static form; an offloading experts callable decides residency on the host
+and keeps the eager step (`static_problem` says why).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from specter.models.compact.cache import StaticKVCache
+from specter.models.compact.model import CompactCausalLM
+from specter.models.compact.moe import DenseMLP
+from specter.models.compact.ops import FusedExperts, GatheredExperts, rope_tables
+
+CAPACITY_QUANTUM = 256  # static caches are allocated in multiples of this, so a few traces cover every record
+
+
+@dataclass
+class StaticTokens:
+    """What every layer of one static step reads: the position and its rope rows, the mask, the buffers."""
+
+    pos: torch.Tensor  # [1] int64, the position written this step
+    cos: torch.Tensor  # [1, D_rope]
+    sin: torch.Tensor  # [1, D_rope]
+    mask: torch.Tensor  # [S_max] additive: 0 where the token attends, -inf elsewhere
+    keys: list[torch.Tensor]  # L x [1, H_kv, S_max, D]
+    values: list[torch.Tensor]  # L x [1, H_kv, S_max, D_v] (empty for MLA's latent cache)
+
+
+def static_problem(model: CompactCausalLM) -> str | None:
+    """Why `model` has no static step (an experts callable other than `FusedExperts`), or None."""
+    for i, layer in enumerate(model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and not isinstance(experts, FusedExperts):
+            return (f"layer {i}'s experts are {type(experts).__name__}, which decides residency on the host; "
+                    "only fully resident experts (target_only) have a static step")
+    return None
+
+
+def static_capacity(n: int) -> int:
+    """The capacity a static cache for n positions gets (rounded up, so records share a trace)."""
+    return -(-max(n, 1) // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
+
+
+def _guard_arguments_only(entries) -> list[bool]:
+    """Keep dynamo's guards on the step's arguments (token, position, KV buffers, rope tables: a new
+    capacity retraces) and drop the ~100 on `self`'s weights, which a StaticStep owns and never
+    reassigns; checking them cost a third of a tiny model's step."""
+    import os
+    if os.environ.get("SHOWG"):
+        for e in entries: print("G", e.name, e.guard_type)
+    return [not (e.name == 'self' or e.name.startswith('self.')) for e in entries]
+
+
+class StaticStep:
+    """One-token decode over a `CompactCausalLM`'s layers with static shapes (see the module docstring)."""
+
+    def __init__(self, model: CompactCausalLM, compile: bool = False):
+        problem = static_problem(model)
+        if problem:
+            raise ValueError(problem)
+        self.model = model
+        self.mlps = [self._static_mlp(layer.mlp) for layer in model.layers]
+        self.neg_inf = torch.tensor(float("-inf"), dtype=model.dtype, device=model.device)
+        self.zero = torch.zeros((), dtype=model.dtype, device=model.device)
+        self.compiled = compile
+        self.fn = torch.compile(self.step, fullgraph=True, dynamic=False,
+                                options={"guard_filter_fn": _guard_arguments_only}) if compile else self.step
+
+    @staticmethod
+    def _static_mlp(mlp):
+        if isinstance(mlp, DenseMLP) or not isinstance(getattr(mlp, "experts", None), FusedExperts):
+            return mlp
+        static = copy.copy(mlp)  # the same router and shared-expert tensors, experts as indexed reductions
+        static.experts = GatheredExperts.of(mlp.experts)
+        return static
+
+    def step(self, token: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+             cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+        """token [1, 1], pos [1] -> logits [1, V]; writes this position's KV into the buffers."""
+        m = self.model
+        positions = torch.arange(keys[0].shape[2], device=pos.device)  # [S_max]
+        seen = positions <= pos
+        if m.window is not None:
+            seen = seen & (positions > pos - m.window)
+        z = StaticTokens(pos, cos_table.index_select(0, pos), sin_table.index_select(0, pos),
+                         torch.where(seen, self.zero, self.neg_inf), keys, values)
+        x = m.embed[token.view(-1)]  # [1, H]
+        for layer, mlp in zip(m.layers, self.mlps):
+            x = x + layer.attn.static_token(layer.attn_norm(x), z)
+            x = x + mlp(layer.mlp_norm(x))
+        return m.head(m.norm(x))  # [1, V]
+
+    @torch.inference_mode()
+    def __call__(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """token [1, 1] at position cache.length -> logits [1, 1, V]; advances the cache by one."""
+        m = self.model
+        cache.reserve(1)
+        if m.rope.length < cache.capacity:  # rope rows for every position of the buffer
+            m.rope.cos, m.rope.sin = rope_tables(m.rotary, cache.capacity, m.device, m.dtype, complex_form=m.mla)
+        pos = torch.full((1,), cache.length, dtype=torch.long, device=m.device)
+        logits = self.fn(token, pos, cache.keys, cache.values, m.rope.cos[:cache.capacity], m.rope.sin[:cache.capacity])
+        cache.advance(1)
+        return logits.view(1, 1, -1)
