@@ -36,8 +36,9 @@ from specter.harness.compose import compose
 from specter.harness.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("target_only", "target_only_compact", "transformers", "llamacpp", "vllm")
-VARIANTS = {"target_only_compact": ("target_only", ["method.decode_path=compact"])}  # label -> (method, overrides)
+METHODS = ("target_only", "target_only_compact", "target_only_compiled", "transformers", "llamacpp", "vllm")
+VARIANTS = {"target_only_compact": ("target_only", ["method.decode_path=compact"]),  # label -> (method, overrides)
+            "target_only_compiled": ("target_only", ["method.decode_path=compiled"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +133,8 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
 
 
 def operators_per_token(model: str, trained: bool, threads: int, tokens: int = 32) -> dict[str, float]:
-    """aten operators (nested included) per decoded token of target_only on both decode paths."""
+    """aten operators (nested included) and generated kernels per decoded token of target_only on
+    each decode path (hf, compact, compiled)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -146,8 +148,18 @@ def operators_per_token(model: str, trained: bool, threads: int, tokens: int = 3
     m = load_full_model(resolve_checkpoint(model, "tiny", trained=trained), torch.float32, torch.device("cpu"))
     ids = torch.arange(1, 17)[None] * 37 % m.config.vocab_size  # [1, 16] a fixed prefix
     compact = build_compact(m, max_length=64)
+    compiled = build_compact(m, max_length=64).use_static_step(compile=True)
+    greedy = lambda logits: int(logits.argmax())  # noqa: E731
     runs = {"hf": lambda n: generate_autoregressive(m, ids, n, SamplingParams()),
-            "compact": lambda n: generate_compact(compact, ids, n, lambda logits: int(logits.argmax()))}
+            "compact": lambda n: generate_compact(compact, ids, n, greedy),
+            "compiled": lambda n: generate_compact(compiled, ids, n, greedy)}
+    import torch._inductor.config as inductor_config
+    from torch._inductor import metrics
+
+    with inductor_config.patch(fx_graph_cache=False):  # a fresh compile, so its kernels are counted
+        metrics.reset()
+        runs["compiled"](2)
+        kernels = metrics.generated_kernel_count  # each runs once per step: the graph is straight-line
     out = {}
     for name, run in runs.items():
         counts = []
@@ -156,8 +168,11 @@ def operators_per_token(model: str, trained: bool, threads: int, tokens: int = 3
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 run(n)
             counts.append(sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")))
-        out[f"ops_per_token_{name}"] = (counts[1] - counts[0]) / tokens
+        # the compiled step's fused kernels are not dispatched operators: add them
+        out[f"ops_per_token_{name}"] = (counts[1] - counts[0]) / tokens + (kernels if name == "compiled" else 0)
+    out["compiled_kernels"] = kernels
     out["ops_ratio"] = out["ops_per_token_hf"] / out["ops_per_token_compact"]
+    out["ops_ratio_compiled"] = out["ops_per_token_hf"] / out["ops_per_token_compiled"]
     return out
 
 

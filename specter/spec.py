@@ -76,6 +76,7 @@ class MethodSpec:
     planner_state: str = "warm"  # warm | cold | carry
     schedule: str = "expert"  # verification schedule: expert | token
     decode_path: str = "hf"  # single-request forwards: hf (transformers' modules) | compact (specter.models.compact)
+    # | compiled (the compact decoder, its one-token step traced by torch.compile; target_only only)
     # the device cache
     resident: int = 1  # M: slots per MoE layer
     staging: int | None = None  # staging buffers shared by all layers (None: the one rule, offload.budget.staging_buffers)

@@ -330,11 +330,12 @@ class Specter(Method):
 
 
 def compact_decoder(cfg: DictConfig, model: torch.nn.Module):
-    """The compact decoder over `model` when `method.decode_path=compact`, else None (the offloading
-    methods get theirs from their runtime: `Runtime.forward_model`)."""
-    if decode_path(cfg) == "hf":
+    """The compact decoder over `model` when `method.decode_path` is compact or compiled, else None
+    (the offloading methods get theirs from their runtime: `Runtime.forward_model`)."""
+    path = decode_path(cfg)
+    if path == "hf":
         return None
-    return compact_over(model, cfg.prefix_tokens + cfg.max_new_tokens + 8)
+    return compact_over(model, cfg.prefix_tokens + cfg.max_new_tokens + 8, compiled=path == "compiled")
 
 
 class LosslessViolation(AssertionError):

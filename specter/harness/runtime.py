@@ -30,7 +30,7 @@ from specter.spec import BudgetSpec, CalibrationSpec, LinkSpec, MethodSpec
 from specter.speculative.sampling import SamplingParams
 
 GB = 1e9
-DECODE_PATHS = ("hf", "compact")
+DECODE_PATHS = ("hf", "compact", "compiled")
 
 
 def model_checkpoint(cfg: DictConfig) -> Path:
@@ -104,20 +104,29 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
 
 
 def decode_path(cfg: DictConfig) -> str:
-    """`method.decode_path`, checked: hf or compact."""
+    """`method.decode_path`, checked: hf, compact, or compiled (the compact decoder whose one-token
+    step torch.compile traces: every expert resident, so target_only only)."""
     path = str(cfg.method.get("decode_path") or "hf")
     if path not in DECODE_PATHS:
-        raise ConfigError(f"method.decode_path={path!r}: choose hf or compact")
+        raise ConfigError(f"method.decode_path={path!r}: choose one of {', '.join(DECODE_PATHS)}")
     return path
 
 
-def compact_over(model: torch.nn.Module, max_length: int):
-    """The compact decoder over a loaded model's tensors (ConfigError for an architecture it lacks)."""
+def compact_over(model: torch.nn.Module, max_length: int, compiled: bool = False):
+    """The compact decoder over a loaded model's tensors (ConfigError for an architecture it lacks);
+    with `compiled`, its one-token forwards go through the compiled static step."""
     from specter.models.compact import SUPPORTED, build_compact
 
     if model.config.model_type not in SUPPORTED:
-        raise ConfigError(f"method.decode_path=compact supports {SUPPORTED}, not {model.config.model_type!r}")
-    return build_compact(model, max_length=max_length)
+        path = "compiled" if compiled else "compact"
+        raise ConfigError(f"method.decode_path={path} supports {SUPPORTED}, not {model.config.model_type!r}")
+    decoder = build_compact(model, max_length=max_length)
+    if compiled:
+        try:
+            decoder.use_static_step(compile=True)
+        except ValueError as err:
+            raise ConfigError(f"method.decode_path=compiled: {err}") from None
+    return decoder
 
 
 def link_params(spec: MethodSpec, checkpoint: Path, expert_bytes: int, digest: str) -> LinkParams:
@@ -156,6 +165,10 @@ def build_runtime(spec: MethodSpec | DictConfig, checkpoint: Path, resident: int
     (read into its spec here) and a K (default: the spec's) to reserve KV and scratch for."""
     if not isinstance(spec, MethodSpec):
         spec = method_spec(spec)
+    if spec.decode_path == "compiled":
+        raise ConfigError(f"{spec.method}: method.decode_path=compiled traces the whole one-token step, which needs "
+                          "every expert resident (target_only); offloading methods decide residency on the host "
+                          "every layer: use method.decode_path=compact")
     device, dtype = spec.torch_device, spec.torch_dtype
     K = spec.K if K is None else K
     M = resident if resident is not None else spec.resident

@@ -75,6 +75,7 @@ class MethodConfig:
     runner: str = MISSING  # "package.module:Class" implementing specter.harness.methods.Method
     speculative: bool = False
     decode_path: str = "hf"  # single-request decoding: hf (transformers modules) | compact (specter.models.compact)
+    # | compiled (the compact decoder, its one-token step traced by torch.compile; target_only only)
 
 
 @dataclass

@@ -59,6 +59,7 @@ class CompactCausalLM:
         self.norm = norm_of(inner.norm)
         self.head: Proj = proj(model.lm_head)
         self.num_layers = len(self.layers)
+        self.static = None  # a StaticStep that one-token forwards go through (`use_static_step`)
         if mla:
             self.kv_heads = 1  # the latent cache: [c | k_pe] per position, values are a view of c
             self.key_dim = config.kv_lora_rank + config.qk_rope_head_dim
@@ -106,8 +107,19 @@ class CompactCausalLM:
         kind = {"qwen2_moe": QwenMoE, "deepseek_v2": DeepSeekMoE, "phimoe": PhiMoE}[c.model_type]
         return kind(block, c, compact_experts)
 
+    def use_static_step(self, compile: bool = True) -> "CompactCausalLM":
+        """Send every one-token forward through a `StaticStep` (compiled by torch.compile unless
+        compile=False); caches are then allocated in multiples of its capacity quantum, so records
+        of different lengths share one trace. ValueError when some layer's experts are not resident."""
+        from specter.models.compact.static import StaticStep
+
+        self.static = StaticStep(self, compile=compile)
+        return self
+
     # -- caches -----------------------------------------------------------------------------------
     def new_cache(self, capacity: int, batch: int = 1, grow: bool = True) -> StaticKVCache:
+        if self.static is not None:
+            return self.static.cache(capacity, batch)
         return StaticKVCache(self.num_layers, batch, self.kv_heads, self.key_dim, self.value_dim, capacity,
                              self.device, self.dtype, grow=grow)
 
@@ -116,6 +128,8 @@ class CompactCausalLM:
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] at positions cache.length.. -> logits [B, T, V] (or [B, 1, V] with last_only)."""
         b, t = input_ids.shape
+        if self.static is not None and b == 1 and t == 1:
+            return self.static(input_ids, cache)  # [1, 1, V]
         past = cache.length
         if past + t > self.rope.length:
             self.rope.cos, self.rope.sin = rope_tables(self.rotary, max(past + t, 2 * self.rope.length), self.device,

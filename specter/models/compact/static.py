@@ -11,6 +11,10 @@ tensor back to the host, so one trace serves every position of a cache of a give
     step = StaticStep(compact, compile=True)     # eager when compile=False (the reference of the compiled step)
     logits = step(token [1, 1], cache)           # [1, 1, V]; advances cache.length by one
 
+The step owns its caches: `cache(capacity)` hands out one buffer set per (batch, rounded
+capacity), reset to length 0, so the traced (or graph-captured) buffers never change address and
+one sequence at a time decodes through a static decoder, as target_only does.
+
 Only blocks whose experts are all on the device (a plain transformers experts module, as in
 target_only) have a static form; an offloading experts callable decides residency on the host
 and keeps the eager step (`static_problem` says why).
@@ -62,10 +66,18 @@ def _guard_arguments_only(entries) -> list[bool]:
     """Keep dynamo's guards on the step's arguments (token, position, KV buffers, rope tables: a new
     capacity retraces) and drop the ~100 on `self`'s weights, which a StaticStep owns and never
     reassigns; checking them cost a third of a tiny model's step."""
-    import os
-    if os.environ.get("SHOWG"):
-        for e in entries: print("G", e.name, e.guard_type)
-    return [not (e.name == 'self' or e.name.startswith('self.')) for e in entries]
+    return [not (e.name == "self" or e.name.startswith("self.")) for e in entries]
+
+
+def compile_options(device: torch.device) -> dict:
+    """Inductor options for the static step: guards on the arguments only; on CPU a C++ wrapper (no
+    Python between kernels); on CUDA, CUDA graphs (the step replays as one graph)."""
+    options = {"guard_filter_fn": _guard_arguments_only, "size_asserts": False}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True
+    else:
+        options["cpp_wrapper"] = True
+    return options
 
 
 class StaticStep:
@@ -80,8 +92,30 @@ class StaticStep:
         self.neg_inf = torch.tensor(float("-inf"), dtype=model.dtype, device=model.device)
         self.zero = torch.zeros((), dtype=model.dtype, device=model.device)
         self.compiled = compile
+        self.caches: dict[tuple[int, int], StaticKVCache] = {}
         self.fn = torch.compile(self.step, fullgraph=True, dynamic=False,
-                                options={"guard_filter_fn": _guard_arguments_only}) if compile else self.step
+                                options=compile_options(model.device)) if compile else self.step
+
+    def cache(self, capacity: int, batch: int = 1) -> StaticKVCache:
+        """This step's cache for `capacity` positions (rounded up to CAPACITY_QUANTUM), empty. The same
+        buffers every time: a previous holder of it sees it reset."""
+        if batch != 1:
+            raise ValueError("the static step decodes one sequence (batch 1)")
+        key = (batch, static_capacity(capacity))
+        if key not in self.caches:
+            m = self.model
+            cache = StaticKVCache(m.num_layers, batch, m.kv_heads, m.key_dim, m.value_dim, key[1], m.device, m.dtype)
+            self._pin(cache)
+            self.caches[key] = cache
+        cache = self.caches[key]
+        cache.reset()
+        return cache
+
+    def _pin(self, cache: StaticKVCache) -> None:
+        """CUDA graphs replay fixed addresses: tell the compiler the KV buffers are static inputs."""
+        if self.compiled and self.model.device.type == "cuda":
+            for buf in cache.keys + cache.values:
+                torch._dynamo.mark_static_address(buf)
 
     @staticmethod
     def _static_mlp(mlp):
@@ -111,7 +145,10 @@ class StaticStep:
     def __call__(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """token [1, 1] at position cache.length -> logits [1, 1, V]; advances the cache by one."""
         m = self.model
-        cache.reserve(1)
+        before = cache.capacity
+        cache.reserve(1)  # a full cache doubles (new buffers: one retrace)
+        if cache.capacity != before:
+            self._pin(cache)
         if m.rope.length < cache.capacity:  # rope rows for every position of the buffer
             m.rope.cos, m.rope.sin = rope_tables(m.rotary, cache.capacity, m.device, m.dtype, complex_form=m.mla)
         pos = torch.full((1,), cache.length, dtype=torch.long, device=m.device)
