@@ -1,0 +1,141 @@
+"""The static one-token step (specter.models.compact.static) against the compact decoder's own step.
+
+`StaticStep` is the form torch.compile traces: the position as a tensor, attention over the
+whole buffer under a mask, experts as indexed reductions. Eager, it is the slow reference of the
+compiled step; the compact decoder's dynamic-shape step is the reference of both. Checked over
+a grid of positions on the three tiny architectures and on configs of other sizes (GQA, no
+q-LoRA, group-limited routing, YaRN, longrope, a sliding window shorter than the sequence),
+then the compiled step on each architecture, then through the harness (`decode_path=compiled`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import compose
+from test_compact_vs_hf import _random_model, other_size_configs
+
+from specter.harness.config import ConfigError
+from specter.harness.methods import build_method
+from specter.models.compact import build_compact
+from specter.models.compact.ops import FusedExperts, GatheredExperts
+from specter.models.compact.static import CAPACITY_QUANTUM, StaticStep, static_capacity, static_problem
+
+ATOL = 2e-5  # fp32
+
+
+def _config(name: str):
+    from specter.models.tiny import make_config
+
+    return make_config(name) if name.startswith("tiny") else other_size_configs()[name]
+
+
+def _steps_agree(config, compile: bool, steps: int = 12, prefix: int = 5) -> None:
+    """Prefill `prefix`, then `steps` one-token steps on both paths; logits and KV must agree."""
+    model = _random_model(config)
+    ref, static = build_compact(model, max_length=8), build_compact(model, max_length=8)
+    static.use_static_step(compile=compile)
+    ids = torch.randint(0, config.vocab_size, (1, prefix + steps), generator=torch.Generator().manual_seed(4))
+    ref_cache, static_cache = ref.new_cache(4), static.new_cache(4)  # the reference grows; the static one is rounded
+    assert static_cache.capacity == CAPACITY_QUANTUM
+    with torch.inference_mode():
+        torch.testing.assert_close(static.forward(ids[:, :prefix], static_cache),
+                                   ref.forward(ids[:, :prefix], ref_cache), atol=ATOL, rtol=1e-4)
+        for i in range(prefix, prefix + steps):
+            got = static.forward(ids[:, i:i + 1], static_cache)  # through the static step
+            want = ref.forward(ids[:, i:i + 1], ref_cache)
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4, msg=lambda m: f"position {i}: {m}")
+        static_cache.rollback(prefix + 2)  # a rollback by length, then overwrite a position
+        ref_cache.rollback(prefix + 2)
+        torch.testing.assert_close(static.forward(ids[:, 3:4], static_cache), ref.forward(ids[:, 3:4], ref_cache),
+                                   atol=ATOL, rtol=1e-4)
+    n = ref_cache.length
+    for a, b in zip(static_cache.keys + static_cache.values, ref_cache.keys + ref_cache.values):
+        torch.testing.assert_close(a[:, :, :n], b[:, :, :n], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen", "tiny_dsv2", "tiny_phi", *other_size_configs()])
+def test_eager_static_step_matches_the_compact_step(name):
+    _steps_agree(_config(name), compile=False)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen", "tiny_dsv2", "phi_window_longrope_bias"])
+def test_compiled_static_step_matches_the_compact_step(name):
+    _steps_agree(_config(name), compile=True, steps=6)
+
+
+@pytest.mark.parametrize("n,k,E", [(1, 1, 3), (1, 6, 64), (3, 2, 5), (4, 4, 60)])
+def test_gathered_experts_match_fused_experts(n, k, E):
+    g = torch.Generator().manual_seed(n * 100 + k)
+    H, inter = 24, 16
+    gate_up, down = torch.randn(E, 2 * inter, H, generator=g), torch.randn(E, H, inter, generator=g)
+
+    class Module:  # the fused experts layout transformers uses
+        gate_up_proj, down_proj, act_fn = gate_up, down, torch.nn.SiLU()
+
+    fused = FusedExperts(Module())
+    x = torch.randn(n, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])  # [N, k]
+    w = torch.rand(n, k, generator=g)
+    idx[0, 0] = E  # a dropped route contributes nothing on both
+    torch.testing.assert_close(GatheredExperts.of(fused)(x, idx, w), fused(x, idx, w), atol=1e-5, rtol=1e-4)
+
+
+def test_static_caches_are_owned_by_the_step_and_rounded():
+    model = _random_model(_config("tiny_qwen"))
+    compact = build_compact(model).use_static_step(compile=False)
+    a = compact.new_cache(10)
+    a.length = 5
+    b = compact.new_cache(CAPACITY_QUANTUM)
+    assert b is a and b.length == 0 and b.capacity == CAPACITY_QUANTUM  # the same buffers, reset
+    assert compact.new_cache(CAPACITY_QUANTUM + 1).capacity == 2 * CAPACITY_QUANTUM
+    assert static_capacity(1) == CAPACITY_QUANTUM
+    with pytest.raises(ValueError, match="batch 1"):
+        compact.new_cache(8, batch=2)
+
+
+def test_a_full_static_cache_grows_and_keeps_its_positions():
+    """Decoding past the rounded capacity doubles the buffers (one retrace when compiled)."""
+    config = _config("tiny_phi")
+    model = _random_model(config)
+    ref, static = build_compact(model), build_compact(model).use_static_step(compile=False)
+    static.static.caches.clear()
+    ids = torch.randint(0, config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5))
+    ref_cache, cache = ref.new_cache(CAPACITY_QUANTUM + 8), static.new_cache(4)
+    with torch.inference_mode():
+        static.forward(ids, cache)
+        ref.forward(ids, ref_cache)
+        cache.length = ref_cache.length = CAPACITY_QUANTUM  # stale positions are equal zeros on both
+        for i in range(3):
+            torch.testing.assert_close(static.forward(ids[:, i:i + 1], cache), ref.forward(ids[:, i:i + 1], ref_cache),
+                                       atol=ATOL, rtol=1e-4)
+    assert cache.capacity == 2 * CAPACITY_QUANTUM
+
+
+def test_offloading_experts_have_no_static_step():
+    from specter.moe import SpecterExperts
+
+    model = _random_model(_config("tiny_qwen"))
+    compact = build_compact(model)
+    compact.layers[0].mlp.experts = SpecterExperts(0, torch.nn.SiLU())
+    assert "SpecterExperts" in static_problem(compact)
+    with pytest.raises(ValueError, match="target_only"):
+        StaticStep(compact)
+
+
+def test_target_only_compiled_decodes_target_only_tokens(tiny_checkpoint):
+    prompt = torch.tensor([[17, 300, 45, 8, 512, 9, 77]])
+    tokens = {}
+    for path in ("hf", "compiled"):
+        cfg = compose(["model=tiny_dsv2", "method=target_only", "max_new_tokens=12", f"method.decode_path={path}"])
+        m = build_method(cfg, tiny_checkpoint("tiny_dsv2"))
+        tokens[path] = m.generate(prompt, 12, torch.Generator().manual_seed(0)).tokens
+        assert m.static_fields()["decode_path"] == path
+    assert tokens["compiled"] == tokens["hf"]
+
+
+def test_offloading_methods_refuse_the_compiled_path(tiny_checkpoint):
+    cfg = compose(["model=tiny_qwen", "method=offload_ar", "hardware=emulated", "hardware.bandwidth_gbps=2",
+                   "hardware.latency_us=5", "method.decode_path=compiled"])
+    with pytest.raises(ConfigError, match="decode_path=compact"):
+        build_method(cfg, tiny_checkpoint("tiny_qwen"))
