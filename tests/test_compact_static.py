@@ -139,3 +139,17 @@ def test_offloading_methods_refuse_the_compiled_path(tiny_checkpoint):
                    "hardware.latency_us=5", "method.decode_path=compiled"])
     with pytest.raises(ConfigError, match="decode_path=compact"):
         build_method(cfg, tiny_checkpoint("tiny_qwen"))
+
+
+def test_two_compiled_steps_of_the_same_shapes_keep_their_own_constants():
+    """Every StaticStep shares `step`'s code object and dynamo's guards on the instance are dropped;
+    the per-instance tag must still keep one model's trace (its routing constants baked in) from
+    serving another model of the same shapes."""
+    import copy
+
+    first = _config("tiny_qwen")
+    second = copy.deepcopy(first)
+    second.norm_topk_prob = not first.norm_topk_prob  # same tensors' shapes, another routing constant
+    second.num_experts_per_tok = first.num_experts_per_tok - 1
+    _steps_agree(first, compile=True, steps=3)
+    _steps_agree(second, compile=True, steps=3)

@@ -133,6 +133,9 @@ class Rope:
             r[idx + d // 2, idx] = -1
             r[idx, idx + d // 2] = 1
         self.rot = r  # [D, D]
+        # the same rotation as a gather and a sign, for the compiled step (fused; no extern product)
+        self.partner = r.abs().argmax(0)  # [D] column j of x @ R reads x[partner[j]]
+        self.sign = r.sum(0)  # [D] +-1
 
     @property
     def length(self) -> int:
@@ -149,6 +152,8 @@ class Rope:
 
     def apply_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [R, D] (contiguous rows) whose rows broadcast against cos/sin [R or 1, D]."""
+        if torch.compiler.is_compiling():
+            return torch.addcmul(x * cos, x.index_select(-1, self.partner) * self.sign, sin)
         return torch.addcmul(x * cos, torch.mm(x, self.rot), sin)
 
 

@@ -23,6 +23,8 @@ and keeps the eager step (`static_problem` says why).
 from __future__ import annotations
 
 import copy
+import itertools
+import types
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,7 @@ from specter.models.compact.moe import DenseMLP
 from specter.models.compact.ops import FusedExperts, GatheredExperts, rope_tables
 
 CAPACITY_QUANTUM = 256  # static caches are allocated in multiples of this, so a few traces cover every record
+_INSTANCES = itertools.count()
 
 
 @dataclass
@@ -62,10 +65,22 @@ def static_capacity(n: int) -> int:
     return -(-max(n, 1) // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
 
 
+def _own_code(method):
+    """`method` bound to a private copy of its function's code object (dynamo's trace cache lives on
+    the code object; without a copy, every StaticStep would share one)."""
+    f = method.__func__
+    n = next(_INSTANCES)
+    code = f.__code__.replace(co_name=f"{f.__name__}_{n}", co_qualname=f"{f.__qualname__}_{n}")
+    return types.MethodType(types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__, f.__closure__),
+                            method.__self__)
+
+
 def _guard_arguments_only(entries) -> list[bool]:
     """Keep dynamo's guards on the step's arguments (token, position, KV buffers, rope tables: a new
-    capacity retraces) and drop the ~100 on `self`'s weights, which a StaticStep owns and never
-    reassigns; checking them cost a third of a tiny model's step."""
+    capacity retraces) and drop the ~100 on `self`'s weights and constants, which a StaticStep owns
+    and never reassigns; checking them cost a third of a tiny model's step. Safe because every
+    instance traces its own copy of `step`'s code (`_own_code`): dynamo keeps its traces per code
+    object, so one model's trace never serves another."""
     return [not (e.name == "self" or e.name.startswith("self.")) for e in entries]
 
 
@@ -93,7 +108,8 @@ class StaticStep:
         self.zero = torch.zeros((), dtype=model.dtype, device=model.device)
         self.compiled = compile
         self.caches: dict[tuple[int, int], StaticKVCache] = {}
-        self.fn = torch.compile(self.step, fullgraph=True, dynamic=False,
+        self.tables: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
+        self.fn = torch.compile(_own_code(self.step), fullgraph=True, dynamic=False,
                                 options=compile_options(model.device)) if compile else self.step
 
     def cache(self, capacity: int, batch: int = 1) -> StaticKVCache:
@@ -125,8 +141,8 @@ class StaticStep:
         static.experts = GatheredExperts.of(mlp.experts)
         return static
 
-    def step(self, token: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-             cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+    def step(self, token: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor],
+             values: list[torch.Tensor], cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
         """token [1, 1], pos [1] -> logits [1, V]; writes this position's KV into the buffers."""
         m = self.model
         positions = torch.arange(keys[0].shape[2], device=pos.device)  # [S_max]
@@ -144,14 +160,21 @@ class StaticStep:
     @torch.inference_mode()
     def __call__(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """token [1, 1] at position cache.length -> logits [1, 1, V]; advances the cache by one."""
-        m = self.model
-        before = cache.capacity
-        cache.reserve(1)  # a full cache doubles (new buffers: one retrace)
-        if cache.capacity != before:
+        if cache.length >= cache.capacity:
+            cache.reserve(1)  # a full cache doubles (new buffers: one retrace)
             self._pin(cache)
-        if m.rope.length < cache.capacity:  # rope rows for every position of the buffer
-            m.rope.cos, m.rope.sin = rope_tables(m.rotary, cache.capacity, m.device, m.dtype, complex_form=m.mla)
-        pos = torch.full((1,), cache.length, dtype=torch.long, device=m.device)
-        logits = self.fn(token, pos, cache.keys, cache.values, m.rope.cos[:cache.capacity], m.rope.sin[:cache.capacity])
+        tables = self.tables.get(cache.capacity) or self._tables(cache.capacity)
+        positions, cos, sin = tables
+        logits = self.fn(token, positions[cache.length], cache.keys, cache.values, cos, sin)
         cache.advance(1)
         return logits.view(1, 1, -1)
+
+    def _tables(self, capacity: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Per capacity, made once: a [1] position tensor per position (no tensor built per step) and
+        rope rows for every position of the buffer."""
+        m = self.model
+        if m.rope.length < capacity:
+            m.rope.cos, m.rope.sin = rope_tables(m.rotary, capacity, m.device, m.dtype, complex_form=m.mla)
+        positions = list(torch.arange(capacity, device=m.device).view(-1, 1).unbind(0))  # capacity x [1]
+        self.tables[capacity] = (positions, m.rope.cos[:capacity], m.rope.sin[:capacity])
+        return self.tables[capacity]
