@@ -156,7 +156,7 @@ def operators_per_token(model: str, trained: bool, threads: int, tokens: int = 3
     import torch._inductor.config as inductor_config
     from torch._inductor import metrics
 
-    with inductor_config.patch(fx_graph_cache=False):  # a fresh compile, so its kernels are counted
+    with inductor_config.patch(force_disable_caches=True):  # a fresh compile, so its kernels are counted
         metrics.reset()
         runs["compiled"](2)
         kernels = metrics.generated_kernel_count  # each runs once per step: the graph is straight-line
