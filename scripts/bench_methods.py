@@ -12,7 +12,8 @@ Suites:  offload   target_only vs offload_ar
          specter   offload_ar vs specter (adaptive prefetch)
          prefetch  specter with prefetch adaptive / none / late / oracle vs offload_ar
          decode    target_only, offload_ar and specter on both decode paths (transformers' modules,
-                   and the compact decoder: method.decode_path=compact)
+                   and the compact decoder: method.decode_path=compact), and target_only with the
+                   compact decoder's compiled one-token step (method.decode_path=compiled)
 Ratios are speedups over offload_ar (TPOT_offload_ar / TPOT_method, >1 = faster), measured in the
 same process on the same machine; medians over records. Needs the trained tiny models
 (python initialization/train_tiny.py) unless --untrained.
@@ -35,16 +36,18 @@ SUITES = {
     "offload": [("target_only", {}), ("offload_ar", {})],
     "specter": [("offload_ar", {}), ("specter", {"method.prefetch": "adaptive"})],
     "prefetch": [("offload_ar", {})] + [("specter", {"method.prefetch": p}) for p in ("adaptive", "none", "late", "oracle")],
-    "decode": [(m, {**x, **p}) for m, x in (("target_only", {}), ("offload_ar", {}), ("specter", {"method.prefetch": "adaptive"}))
-               for p in ({}, {"method.decode_path": "compact"})],
+    "decode": [(m, {**x, **p}) for m, x in (("target_only", {}), ("offload_ar", {}),
+                                             ("specter", {"method.prefetch": "adaptive"}))
+               for p in ({}, {"method.decode_path": "compact"})]
+              + [("target_only", {"method.decode_path": "compiled"})],
 }
 
 
 def variant_name(method: str, extra: dict) -> str:
-    """offload_ar, specter[adaptive], specter[adaptive,compact], target_only[compact], ..."""
+    """offload_ar, specter[adaptive], specter[adaptive,compact], target_only[compiled], ..."""
     tags = [extra.get("method.prefetch", "adaptive")] if method == "specter" else []
-    if extra.get("method.decode_path") == "compact":
-        tags.append("compact")
+    if extra.get("method.decode_path") in ("compact", "compiled"):
+        tags.append(extra["method.decode_path"])
     return f"{method}[{','.join(tags)}]" if tags else method
 
 
