@@ -74,14 +74,17 @@ class GQAAttention:
 
     def static_token(self, x: torch.Tensor, z: "StaticTokens") -> torch.Tensor:
         """One token at the tensor position `z.pos` with static shapes and no host sync (compilable,
-        CUDA-graph capturable): KV written by index, attention over the whole buffer under `z.mask`."""
+        CUDA-graph capturable): KV written by index, attention over the span z.span under `z.mask`."""
         h, hkv, d = self.h, self.hkv, self.d
         qkv = self.qkv(x).view(h + 2 * hkv, d)  # [Hq+2Hkv, D]
         qk = self.rope.apply_rows(qkv[:h + hkv], z.cos, z.sin)  # [Hq+Hkv, D]
-        keys, values = z.keys[self.layer][0], z.values[self.layer][0]  # [Hkv, S_max, D] each
-        keys.index_copy_(1, z.pos, qk[h:].view(hkv, 1, d))
-        values.index_copy_(1, z.pos, qkv[h + hkv:].view(hkv, 1, d))
-        o = attend_masked(qk[:h].view(hkv, h // hkv, d), keys, values, z.mask, self.scale)  # [Hkv, g, D]
+        keys, values = z.keys[self.layer], z.values[self.layer]  # [1, Hkv, S_max, D] each
+        # written on the buffers themselves, not on a view: a compiled write through a view of an
+        # input copies the whole buffer (functionalization), twice, every step
+        keys.index_copy_(2, z.pos, qk[h:].view(1, hkv, 1, d))
+        values.index_copy_(2, z.pos, qkv[h + hkv:].view(1, hkv, 1, d))
+        n = z.span
+        o = attend_masked(qk[:h].view(hkv, h // hkv, d), keys[0, :, :n], values[0, :, :n], z.mask, self.scale)
         return self.o(o.view(1, h * d))  # [1, H]
 
 
@@ -150,8 +153,8 @@ class MLAAttention:
         o = torch.bmm(o.reshape(self.h, n, self.rank), self.w_uv_t)  # [Hq, N, v]
         return self.o(o.transpose(0, 1).reshape(n, self.h * self.vdim))  # [N, H]
 
-    def one_token(self, x: torch.Tensor, s: Step) -> torch.Tensor:
-        """The decode step (B = T = 1) with views only; the new [c | k_pe] written in one copy."""
+    def token_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token's latent-space query [Hq, rank+rope] and its cache row [c | k_pe] [1, rank+rope]."""
         h, nope, rank = self.h, self.nope, self.rank
         a = self.in_proj(x)  # [1, q_width + rank + rope]
         q = cols(a, 0, self.q_width)
@@ -160,31 +163,27 @@ class MLAAttention:
         q = q.view(h, nope + self.rope_dim)  # [Hq, nope+rope]
         latent = self.kv_norm(cols(a, self.q_width, rank))  # [1, rank]
         pe = self.rope.apply_rows(torch.cat([q[:, nope:], cols(a, self.q_width + rank, self.rope_dim)]),
-                                  s.cos[0], s.sin[0])  # [Hq+1, rope]
+                                  cos, sin)  # [Hq+1, rope]
         q_lat = torch.bmm(q[:, :nope].unsqueeze(1), self.w_uk)  # [Hq, 1, rank]
-        query = torch.cat([q_lat.view(h, rank), pe[:h]], -1)  # [Hq, rank+rope]
+        return torch.cat([q_lat.view(h, rank), pe[:h]], -1), torch.cat([latent, pe[h:]], -1)
+
+    def token_out(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output in latent space [1, Hq, rank] -> [1, H] (W_uv, then o_proj)."""
+        o = torch.bmm(o.view(self.h, 1, self.rank), self.w_uv_t)  # [Hq, 1, v]
+        return self.o(o.view(1, self.h * self.vdim))  # [1, H]
+
+    def one_token(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        """The decode step (B = T = 1) with views only; the new [c | k_pe] written in one copy."""
+        query, row = self.token_query(x, s.cos[0], s.sin[0])
         keys, pos = s.cache.keys[self.layer], s.past  # [1, 1, S_max, rank+rope]
-        seq(keys, pos, 1).copy_(torch.cat([latent, pe[h:]], -1).view(1, 1, 1, -1))
+        seq(keys, pos, 1).copy_(row.view(1, 1, 1, -1))
         kv = seq(keys, 0, pos + 1).view(1, pos + 1, -1)  # [1, pos+1, rank+rope]
-        o = attend(query.view(1, h, -1), kv, kv[..., :rank], None, self.scale, 1)  # [1, Hq, rank]
-        o = torch.bmm(o.view(h, 1, rank), self.w_uv_t)  # [Hq, 1, v]
-        return self.o(o.view(1, h * self.vdim))  # [1, H]
+        return self.token_out(attend(query.view(1, self.h, -1), kv, kv[..., :self.rank], None, self.scale, 1))
 
     def static_token(self, x: torch.Tensor, z: "StaticTokens") -> torch.Tensor:
         """`one_token` at the tensor position `z.pos` (static shapes, no host sync)."""
-        h, nope, rank = self.h, self.nope, self.rank
-        a = self.in_proj(x)  # [1, q_width + rank + rope]
-        q = cols(a, 0, self.q_width)
-        if self.q_b is not None:
-            q = self.q_b(self.q_norm(q))  # [1, Hq*(nope+rope)]
-        q = q.view(h, nope + self.rope_dim)  # [Hq, nope+rope]
-        latent = self.kv_norm(cols(a, self.q_width, rank))  # [1, rank]
-        pe = self.rope.apply_rows(torch.cat([q[:, nope:], cols(a, self.q_width + rank, self.rope_dim)]),
-                                  z.cos, z.sin)  # [Hq+1, rope]
-        q_lat = torch.bmm(q[:, :nope].unsqueeze(1), self.w_uk)  # [Hq, 1, rank]
-        query = torch.cat([q_lat.view(h, rank), pe[:h]], -1)  # [Hq, rank+rope]
-        kv = z.keys[self.layer][0]  # [1, S_max, rank+rope]
-        kv.index_copy_(1, z.pos, torch.cat([latent, pe[h:]], -1).view(1, 1, -1))
-        o = attend_masked(query.view(1, h, -1), kv, kv[..., :rank], z.mask, self.scale)  # [1, Hq, rank]
-        o = torch.bmm(o.view(h, 1, rank), self.w_uv_t)  # [Hq, 1, v]
-        return self.o(o.view(1, h * self.vdim))  # [1, H]
+        query, row = self.token_query(x, z.cos, z.sin)
+        buf = z.keys[self.layer]  # [1, 1, S_max, rank+rope]
+        buf.index_copy_(2, z.pos, row.view(1, 1, 1, -1))  # on the buffer itself (see GQAAttention.static_token)
+        kv = buf[0, :, :z.span]  # [1, n, rank+rope]
+        return self.token_out(attend_masked(query.view(1, self.h, -1), kv, kv[..., :self.rank], z.mask, self.scale))

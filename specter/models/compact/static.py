@@ -45,9 +45,10 @@ class StaticTokens:
     pos: torch.Tensor  # [1] int64, the position written this step
     cos: torch.Tensor  # [1, D_rope]
     sin: torch.Tensor  # [1, D_rope]
-    mask: torch.Tensor  # [S_max] additive: 0 where the token attends, -inf elsewhere
+    mask: torch.Tensor  # [n] additive: 0 where the token attends, -inf elsewhere
     keys: list[torch.Tensor]  # L x [1, H_kv, S_max, D]
     values: list[torch.Tensor]  # L x [1, H_kv, S_max, D_v] (empty for MLA's latent cache)
+    span: int  # n: attention reads positions 0..n-1 of the buffers
 
 
 def static_problem(model: CompactCausalLM) -> str | None:
@@ -108,8 +109,8 @@ class StaticStep:
         self.zero = torch.zeros((), dtype=model.dtype, device=model.device)
         self.compiled = compile
         self.caches: dict[tuple[int, int], StaticKVCache] = {}
-        self.tables: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
-        self.fn = torch.compile(_own_code(self.step), fullgraph=True, dynamic=False,
+        self.tables: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
+        self.fn = torch.compile(_own_code(self.step), fullgraph=True, dynamic=None,
                                 options=compile_options(model.device)) if compile else self.step
 
     def cache(self, capacity: int, batch: int = 1) -> StaticKVCache:
@@ -141,16 +142,16 @@ class StaticStep:
         static.experts = GatheredExperts.of(mlp.experts)
         return static
 
-    def step(self, token: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor],
+    def step(self, token: torch.Tensor, pos: torch.Tensor, span: torch.Tensor, keys: list[torch.Tensor],
              values: list[torch.Tensor], cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
-        """token [1, 1], pos [1] -> logits [1, V]; writes this position's KV into the buffers."""
+        """token [1, 1], pos [1], span [n] (the positions 0..n-1 attention reads) -> logits [1, V];
+        writes this position's KV into the buffers."""
         m = self.model
-        positions = torch.arange(keys[0].shape[2], device=pos.device)  # [S_max]
-        seen = positions <= pos
+        seen = span <= pos  # [n]
         if m.window is not None:
-            seen = seen & (positions > pos - m.window)
+            seen = seen & (span > pos - m.window)
         z = StaticTokens(pos, cos_table.index_select(0, pos), sin_table.index_select(0, pos),
-                         torch.where(seen, self.zero, self.neg_inf), keys, values)
+                         torch.where(seen, self.zero, self.neg_inf), keys, values, span.shape[0])
         x = m.embed[token.view(-1)]  # [1, H]
         for layer, mlp in zip(m.layers, self.mlps):
             x = x + layer.attn.static_token(layer.attn_norm(x), z)
@@ -163,18 +164,30 @@ class StaticStep:
         if cache.length >= cache.capacity:
             cache.reserve(1)  # a full cache doubles (new buffers: one retrace)
             self._pin(cache)
-        tables = self.tables.get(cache.capacity) or self._tables(cache.capacity)
-        positions, cos, sin = tables
-        logits = self.fn(token, positions[cache.length], cache.keys, cache.values, cos, sin)
+        positions, spans, cos, sin = self.tables.get(cache.capacity) or self._tables(cache.capacity)
+        n = cache.length
+        logits = self.fn(token, positions[n], spans[n], cache.keys, cache.values, cos, sin)
         cache.advance(1)
         return logits.view(1, 1, -1)
 
-    def _tables(self, capacity: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """Per capacity, made once: a [1] position tensor per position (no tensor built per step) and
-        rope rows for every position of the buffer."""
+    def _tables(self, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Per capacity, made once: a [1] position tensor per position and the span attention reads at
+        it (no tensor is built per step), and rope rows for every position of the buffer.
+
+        On a CPU the span at position p is 0..p, of a dynamic length (one trace for every length):
+        attention reads only the live prefix. Under CUDA graphs shapes must not change, so the span
+        is the whole buffer and the mask hides what is not yet written."""
         m = self.model
         if m.rope.length < capacity:
             m.rope.cos, m.rope.sin = rope_tables(m.rotary, capacity, m.device, m.dtype, complex_form=m.mla)
-        positions = list(torch.arange(capacity, device=m.device).view(-1, 1).unbind(0))  # capacity x [1]
-        self.tables[capacity] = (positions, m.rope.cos[:capacity], m.rope.sin[:capacity])
+        every = torch.arange(capacity, device=m.device)  # [S_max]
+        positions = list(every.view(-1, 1).unbind(0))  # S_max x [1]
+        if self.model.device.type == "cuda":
+            spans = [every] * capacity
+        else:
+            spans = [every[:p + 1] for p in range(capacity)]  # S_max x [p+1]
+            if self.compiled:
+                for span in spans[1:]:  # length 1 is specialised by the compiler (its own trace)
+                    torch._dynamo.maybe_mark_dynamic(span, 0)
+        self.tables[capacity] = (positions, spans, m.rope.cos[:capacity], m.rope.sin[:capacity])
         return self.tables[capacity]
