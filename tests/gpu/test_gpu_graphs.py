@@ -55,18 +55,20 @@ def test_eager_static_step_captures_and_replays(name):
     ref_cache, cache = ref.new_cache(32), static.new_cache(32)
     ref.forward(ids[:, :4], ref_cache)
     static.forward(ids[:, :4], cache)
-    positions, cos, sin = step._tables(cache.capacity)
+    positions, spans, cos, sin = step._tables(cache.capacity)
     token = ids[:, 4:5].clone()  # [1, 1] static input
     pos = positions[cache.length].clone()  # [1] static input
+    span = spans[cache.length]  # on CUDA the whole buffer (static), masked past pos
+    assert span.shape[0] == cache.capacity
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture stream (writes position 4; rewritten below)
         for _ in range(2):
-            step.step(token, pos, cache.keys, cache.values, cos, sin)
+            step.step(token, pos, span, cache.keys, cache.values, cos, sin)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        logits = step.step(token, pos, cache.keys, cache.values, cos, sin)  # [1, V]
+        logits = step.step(token, pos, span, cache.keys, cache.values, cos, sin)  # [1, V]
     for i in range(4, 14):
         token.copy_(ids[:, i:i + 1])
         pos.fill_(cache.length)

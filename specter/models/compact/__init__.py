@@ -11,7 +11,7 @@ transformers stays the reference: tests/test_compact_vs_hf.py compares both path
 
 Modules: `cache` (StaticKVCache), `ops` (projections, norms, rope, attention, experts),
 `attention` (GQA, MLA), `moe` (routers + blocks), `model` (the decoder), `decode` (loops),
-`graphs` (CUDA-graph capture of a fixed-shape step).
+`static` (the one-token step with static shapes that torch.compile traces and CUDA graphs replay).
 """
 
 from specter.models.compact.cache import StaticKVCache

@@ -2,11 +2,13 @@
 
 `CompactCausalLM.forward` handles any (B, T) with Python-int positions and views sized to the
 cache's length, so every step has a new shape. `StaticStep` runs the same layers for B = T = 1
-with the position as a tensor: KV written with `index_copy_` at `pos`, attention over the whole
-preallocated buffer under an additive mask (positions past `pos`, and outside a sliding window,
-get -inf), rope rows gathered at `pos`, and the routed experts as indexed reductions
+with the position as a tensor: KV written with `index_copy_` at `pos`, attention over a span of
+the preallocated buffer under an additive mask (positions past `pos`, and outside a sliding
+window, get -inf), rope rows gathered at `pos`, and the routed experts as indexed reductions
 (`GatheredExperts`) instead of a Python loop over `.tolist()` indices. Nothing in it reads a
-tensor back to the host, so one trace serves every position of a cache of a given capacity.
+tensor back to the host. The span is the whole buffer on CUDA (one shape: a CUDA graph replays
+it) and the live prefix 0..pos on a CPU (a dynamic length: one trace for every position, and
+attention reads no more than the positions written).
 
     step = StaticStep(compact, compile=True)     # eager when compile=False (the reference of the compiled step)
     logits = step(token [1, 1], cache)           # [1, 1, V]; advances cache.length by one
