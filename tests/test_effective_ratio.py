@@ -271,3 +271,22 @@ def test_the_link_follows_a_machine_that_drifts_between_records(retime, monkeypa
     else:  # still timed for 10 ms: 7 ms per load against a 20 ms step, every record off
         assert (load >= 7.0).all() and (load[1:] < 14.0).all()
         assert rec.load_ratio_off.tolist() == [1, 1, 1]
+
+
+def test_the_gil_switch_interval_is_short_while_links_are_open_and_restored_after():
+    import sys
+
+    from specter.offload.link import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    a, b = EmulatedLink(1e9), EmulatedLink(1e9)
+    try:
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S
+        a.close()
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S  # b still runs
+    finally:
+        a.close()
+        b.close()
+    assert sys.getswitchinterval() == before
+    b.close()  # closing twice releases nothing twice
+    assert sys.getswitchinterval() == before

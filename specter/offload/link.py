@@ -185,6 +185,32 @@ MAX_WAKE_LAG_S = 2e-3  # the emulated link's sleep compensation never exceeds th
 SWITCH_INTERVAL_S = 2e-4  # the interpreter's GIL switch interval while an emulated link runs
 
 
+class _ShortSwitchInterval:
+    """The GIL switch interval held at SWITCH_INTERVAL_S while any emulated link is open, and the
+    process's own value restored when the last one closes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = 0.0
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, SWITCH_INTERVAL_S))
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                sys.setswitchinterval(self._saved)
+
+
+SHORT_SWITCH = _ShortSwitchInterval()
+
+
 class EmulatedLink(TransferLink):
     """One emulated copy engine: serialized copies, each lasting ``latency + nbytes/bandwidth``."""
 
@@ -206,7 +232,7 @@ class EmulatedLink(TransferLink):
         self._wake_lag = 0.0
         # a waking thread gets the GIL once the decode loop yields it, at the latest after the switch
         # interval (5 ms by default, longer than a tiny model's expert load): keep it short
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        SHORT_SWITCH.acquire()  # released by close()
         self._thread = threading.Thread(target=self._drain, name="emulated-h2d", daemon=True)
         self._thread.start()
 
@@ -271,6 +297,7 @@ class EmulatedLink(TransferLink):
             self._closed = True
             self._queue.put(None)
             self._thread.join()
+            SHORT_SWITCH.release()
 
 
 # --------------------------------------------------------------------------- cuda
