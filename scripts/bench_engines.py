@@ -139,6 +139,7 @@ def operators_per_token(model: str, trained: bool, threads: int, tokens: int = 3
     from torch.profiler import ProfilerActivity, profile
 
     from specter.models.compact import build_compact, generate_compact
+    from specter.models.compact.static import use_static_step
     from specter.models.loading import load_full_model
     from specter.models.registry import resolve_checkpoint
     from specter.speculative.autoregressive import generate_autoregressive
@@ -148,7 +149,7 @@ def operators_per_token(model: str, trained: bool, threads: int, tokens: int = 3
     m = load_full_model(resolve_checkpoint(model, "tiny", trained=trained), torch.float32, torch.device("cpu"))
     ids = torch.arange(1, 17)[None] * 37 % m.config.vocab_size  # [1, 16] a fixed prefix
     compact = build_compact(m, max_length=64)
-    compiled = build_compact(m, max_length=64).use_static_step(compile=True)
+    compiled = use_static_step(build_compact(m, max_length=64))
     greedy = lambda logits: int(logits.argmax())  # noqa: E731
     runs = {"hf": lambda n: generate_autoregressive(m, ids, n, SamplingParams()),
             "compact": lambda n: generate_compact(compact, ids, n, greedy),

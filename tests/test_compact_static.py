@@ -19,7 +19,8 @@ from specter.harness.config import ConfigError
 from specter.harness.methods import build_method
 from specter.models.compact import build_compact
 from specter.models.compact.ops import FusedExperts, GatheredExperts
-from specter.models.compact.static import CAPACITY_QUANTUM, StaticStep, static_capacity, static_problem
+from specter.models.compact.static import (CAPACITY_QUANTUM, StaticStep, static_capacity, static_problem,
+                                           use_static_step)
 
 ATOL = 2e-5  # fp32
 
@@ -34,7 +35,7 @@ def _steps_agree(config, compile: bool, steps: int = 12, prefix: int = 5) -> Non
     """Prefill `prefix`, then `steps` one-token steps on both paths; logits and KV must agree."""
     model = _random_model(config)
     ref, static = build_compact(model, max_length=8), build_compact(model, max_length=8)
-    static.use_static_step(compile=compile)
+    use_static_step(static, compile=compile)
     ids = torch.randint(0, config.vocab_size, (1, prefix + steps), generator=torch.Generator().manual_seed(4))
     ref_cache, static_cache = ref.new_cache(4), static.new_cache(4)  # the reference grows; the static one is rounded
     assert static_cache.capacity == CAPACITY_QUANTUM
@@ -83,7 +84,7 @@ def test_gathered_experts_match_fused_experts(n, k, E):
 
 def test_static_caches_are_owned_by_the_step_and_rounded():
     model = _random_model(_config("tiny_qwen"))
-    compact = build_compact(model).use_static_step(compile=False)
+    compact = use_static_step(build_compact(model), compile=False)
     a = compact.new_cache(10)
     a.length = 5
     b = compact.new_cache(CAPACITY_QUANTUM)
@@ -98,7 +99,7 @@ def test_a_full_static_cache_grows_and_keeps_its_positions():
     """Decoding past the rounded capacity doubles the buffers (one retrace when compiled)."""
     config = _config("tiny_phi")
     model = _random_model(config)
-    ref, static = build_compact(model), build_compact(model).use_static_step(compile=False)
+    ref, static = build_compact(model), use_static_step(build_compact(model), compile=False)
     static.static.caches.clear()
     ids = torch.randint(0, config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5))
     ref_cache, cache = ref.new_cache(CAPACITY_QUANTUM + 8), static.new_cache(4)

@@ -116,6 +116,7 @@ def compact_over(model: torch.nn.Module, max_length: int, compiled: bool = False
     """The compact decoder over a loaded model's tensors (ConfigError for an architecture it lacks);
     with `compiled`, its one-token forwards go through the compiled static step."""
     from specter.models.compact import SUPPORTED, build_compact
+    from specter.models.compact.static import use_static_step
 
     if model.config.model_type not in SUPPORTED:
         path = "compiled" if compiled else "compact"
@@ -123,7 +124,7 @@ def compact_over(model: torch.nn.Module, max_length: int, compiled: bool = False
     decoder = build_compact(model, max_length=max_length)
     if compiled:
         try:
-            decoder.use_static_step(compile=True)
+            use_static_step(decoder, compile=True)
         except ValueError as err:
             raise ConfigError(f"method.decode_path=compiled: {err}") from None
     return decoder

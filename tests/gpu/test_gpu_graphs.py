@@ -4,7 +4,7 @@ Two forms, on each tiny architecture (random weights, fp32):
   - the eager `StaticStep.step` captured by hand into a `torch.cuda.CUDAGraph` (it reads nothing
     back to the host, so it is capturable) and replayed with the next token and position written
     into its static inputs;
-  - `use_static_step(compile=True)`, which on CUDA compiles with inductor's CUDA graphs: no step
+  - `use_static_step(compact, compile=True)`, which on CUDA compiles with CUDA graphs: no step
     may be skipped by the graph runtime, and every replay must equal the eager step.
 """
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from specter.models.compact import build_compact
+from specter.models.compact.static import use_static_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,7 +51,7 @@ def _ids(model, n: int) -> torch.Tensor:
 @torch.inference_mode()
 def test_eager_static_step_captures_and_replays(name):
     model = _model(name)
-    ref, static = build_compact(model), build_compact(model).use_static_step(compile=False)
+    ref, static = build_compact(model), use_static_step(build_compact(model), compile=False)
     step, ids = static.static, _ids(model, 14)
     ref_cache, cache = ref.new_cache(32), static.new_cache(32)
     ref.forward(ids[:, :4], ref_cache)
@@ -84,7 +85,7 @@ def test_compiled_static_step_replays_cuda_graphs(name):
     from torch._dynamo.utils import counters
 
     model = _model(name)
-    ref, static = build_compact(model), build_compact(model).use_static_step(compile=True)
+    ref, static = build_compact(model), use_static_step(build_compact(model), compile=True)
     ids = _ids(model, 14)
     ref_cache, cache = ref.new_cache(32), static.new_cache(32)
     ref.forward(ids[:, :4], ref_cache)

@@ -9,14 +9,10 @@ and shared by all layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from specter.models.compact.cache import StaticKVCache
-
-if TYPE_CHECKING:
-    from specter.models.compact.static import StaticTokens
 from specter.models.compact.ops import Proj, Rope, attend, attend_masked, cols, fuse, norm_of, proj, seq
 
 
@@ -30,6 +26,19 @@ class Step:
     mask: torch.Tensor | None  # additive [T, past+T], None when T == 1
     cache: StaticKVCache
     window: int | None = None  # sliding attention window (PhiMoE), None = full
+
+
+@dataclass
+class StaticTokens:
+    """What every layer of one static step reads: the position and its rope rows, the mask, the buffers."""
+
+    pos: torch.Tensor  # [1] int64, the position written this step
+    cos: torch.Tensor  # [1, D_rope]
+    sin: torch.Tensor  # [1, D_rope]
+    mask: torch.Tensor  # [n] additive: 0 where the token attends, -inf elsewhere
+    keys: list[torch.Tensor]  # L x [1, H_kv, S_max, D]
+    values: list[torch.Tensor]  # L x [1, H_kv, S_max, D_v] (empty for MLA's latent cache)
+    span: int  # n: attention reads positions 0..n-1 of the buffers
 
 
 class GQAAttention:
@@ -72,7 +81,7 @@ class GQAAttention:
         o = attend(qk[:h].view(hkv, h // hkv, d), k, v, None, self.scale, 1)  # [Hkv, g, D]
         return self.o(o.view(1, h * d))  # [1, H]
 
-    def static_token(self, x: torch.Tensor, z: "StaticTokens") -> torch.Tensor:
+    def static_token(self, x: torch.Tensor, z: StaticTokens) -> torch.Tensor:
         """One token at the tensor position `z.pos` with static shapes and no host sync (compilable,
         CUDA-graph capturable): KV written by index, attention over the span z.span under `z.mask`."""
         h, hkv, d = self.h, self.hkv, self.d
@@ -180,7 +189,7 @@ class MLAAttention:
         kv = seq(keys, 0, pos + 1).view(1, pos + 1, -1)  # [1, pos+1, rank+rope]
         return self.token_out(attend(query.view(1, self.h, -1), kv, kv[..., :self.rank], None, self.scale, 1))
 
-    def static_token(self, x: torch.Tensor, z: "StaticTokens") -> torch.Tensor:
+    def static_token(self, x: torch.Tensor, z: StaticTokens) -> torch.Tensor:
         """`one_token` at the tensor position `z.pos` (static shapes, no host sync)."""
         query, row = self.token_query(x, z.cos, z.sin)
         buf = z.keys[self.layer]  # [1, 1, S_max, rank+rope]

@@ -59,7 +59,7 @@ class CompactCausalLM:
         self.norm = norm_of(inner.norm)
         self.head: Proj = proj(model.lm_head)
         self.num_layers = len(self.layers)
-        self.static = None  # a StaticStep that one-token forwards go through (`use_static_step`)
+        self.static = None  # a StaticStep one-token forwards go through (static.use_static_step)
         if mla:
             self.kv_heads = 1  # the latent cache: [c | k_pe] per position, values are a view of c
             self.key_dim = config.kv_lora_rank + config.qk_rope_head_dim
@@ -106,15 +106,6 @@ class CompactCausalLM:
             return DenseMLP(gated_mlp(block))
         kind = {"qwen2_moe": QwenMoE, "deepseek_v2": DeepSeekMoE, "phimoe": PhiMoE}[c.model_type]
         return kind(block, c, compact_experts)
-
-    def use_static_step(self, compile: bool = True) -> "CompactCausalLM":
-        """Send every one-token forward through a `StaticStep` (compiled by torch.compile unless
-        compile=False); caches are then allocated in multiples of its capacity quantum, so records
-        of different lengths share one trace. ValueError when some layer's experts are not resident."""
-        from specter.models.compact.static import StaticStep
-
-        self.static = StaticStep(self, compile=compile)
-        return self
 
     # -- caches -----------------------------------------------------------------------------------
     def new_cache(self, capacity: int, batch: int = 1, grow: bool = True) -> StaticKVCache:

@@ -12,6 +12,7 @@ attention reads no more than the positions written).
 
     step = StaticStep(compact, compile=True)     # eager when compile=False (the reference of the compiled step)
     logits = step(token [1, 1], cache)           # [1, 1, V]; advances cache.length by one
+    use_static_step(compact)                     # or: compact's own one-token forwards go through it
 
 The step owns its caches: `cache(capacity)` hands out one buffer set per (batch, rounded
 capacity), reset to length 0, so the traced (or graph-captured) buffers never change address and
@@ -27,10 +28,10 @@ from __future__ import annotations
 import copy
 import itertools
 import types
-from dataclasses import dataclass
 
 import torch
 
+from specter.models.compact.attention import StaticTokens
 from specter.models.compact.cache import StaticKVCache
 from specter.models.compact.model import CompactCausalLM
 from specter.models.compact.moe import DenseMLP
@@ -40,17 +41,12 @@ CAPACITY_QUANTUM = 256  # static caches are allocated in multiples of this, so a
 _INSTANCES = itertools.count()
 
 
-@dataclass
-class StaticTokens:
-    """What every layer of one static step reads: the position and its rope rows, the mask, the buffers."""
-
-    pos: torch.Tensor  # [1] int64, the position written this step
-    cos: torch.Tensor  # [1, D_rope]
-    sin: torch.Tensor  # [1, D_rope]
-    mask: torch.Tensor  # [n] additive: 0 where the token attends, -inf elsewhere
-    keys: list[torch.Tensor]  # L x [1, H_kv, S_max, D]
-    values: list[torch.Tensor]  # L x [1, H_kv, S_max, D_v] (empty for MLA's latent cache)
-    span: int  # n: attention reads positions 0..n-1 of the buffers
+def use_static_step(model: CompactCausalLM, compile: bool = True) -> CompactCausalLM:
+    """Send every one-token forward of `model` through a `StaticStep` (compiled unless compile=False);
+    its caches then come from the step (`StaticStep.cache`). ValueError when some layer's experts
+    are not resident."""
+    model.static = StaticStep(model, compile=compile)
+    return model
 
 
 def static_problem(model: CompactCausalLM) -> str | None:
