@@ -14,7 +14,7 @@ import torch
 
 from specter.models.compact import StaticKVCache, build_compact, generate_compact, verify_window
 from specter.models.compact.moe import experts_of
-from specter.models.compact.ops import FusedExperts, gather_experts
+from specter.models.compact.ops import FusedExperts, GatheredExperts
 
 ATOL = 2e-5  # fp32; observed differences are ~5e-7
 
@@ -171,7 +171,7 @@ def test_fused_experts_match_transformers_experts(n):
     with torch.inference_mode():
         ref = module(x, idx, w)
         torch.testing.assert_close(FusedExperts(module)(x, idx, w), ref, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(gather_experts(x, idx, w, module.gate_up_proj, module.down_proj, module.act_fn),
+        torch.testing.assert_close(GatheredExperts(module.gate_up_proj, module.down_proj, module.act_fn)(x, idx, w),
                                    ref, atol=1e-5, rtol=1e-4)
         dropped = idx.clone()
         dropped[:, 0] = E  # "no expert" (an expert filter's dropped route) contributes nothing

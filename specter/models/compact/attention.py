@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specter.models.compact.cache import StaticKVCache
-from specter.models.compact.ops import Proj, Rope, attend, attend_masked, cols, fuse, norm_of, proj, seq
+from specter.models.compact.ops import Proj, Rope, attend, cols, fuse, norm_of, proj, seq
 
 
 @dataclass
@@ -93,7 +93,7 @@ class GQAAttention:
         keys.index_copy_(2, z.pos, qk[h:].view(1, hkv, 1, d))
         values.index_copy_(2, z.pos, qkv[h + hkv:].view(1, hkv, 1, d))
         n = z.span
-        o = attend_masked(qk[:h].view(hkv, h // hkv, d), keys[0, :, :n], values[0, :, :n], z.mask, self.scale)
+        o = attend(qk[:h].view(hkv, h // hkv, d), keys[0, :, :n], values[0, :, :n], z.mask[None], self.scale, 1)
         return self.o(o.view(1, h * d))  # [1, H]
 
 
@@ -195,4 +195,4 @@ class MLAAttention:
         buf = z.keys[self.layer]  # [1, 1, S_max, rank+rope]
         buf.index_copy_(2, z.pos, row.view(1, 1, 1, -1))  # on the buffer itself (see GQAAttention.static_token)
         kv = buf[0, :, :z.span]  # [1, n, rank+rope]
-        return self.token_out(attend_masked(query.view(1, self.h, -1), kv, kv[..., :self.rank], z.mask, self.scale))
+        return self.token_out(attend(query.view(1, self.h, -1), kv, kv[..., :self.rank], z.mask[None], self.scale, 1))

@@ -219,14 +219,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.bmm(p.to(v.dtype) if p.dtype != v.dtype else p, v)  # [G_b, g*T, D_v]
 
 
-def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query position against a whole static buffer: q [G, g, D], k [G, S_max, D], v [G, S_max, D_v],
-    additive mask [S_max] (0 at the positions it sees, -inf elsewhere) -> [G, g, D_v]. Softmax in fp32."""
-    scores = torch.bmm(q, k.transpose(1, 2)) * scale + mask  # [G, g, S_max]
-    p = torch.softmax(scores.float(), -1)
-    return torch.bmm(p.to(v.dtype), v)  # [G, g, D_v]
-
-
 # -------------------------------------------------------------------------------------- experts
 def glu(h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], inter: int) -> torch.Tensor:
     """act(gate) * up for h = [gate | up] along the last dim of a 2-D [N, 2I] tensor."""
@@ -334,18 +326,3 @@ class GatheredExperts:
         h = self.act(gu[..., :self.inter]) * gu[..., self.inter:]  # [N, k, I]
         y = (self.down[idx] * h[..., None, :]).sum(-1)  # [N, k, H]
         return (y * w[..., None]).sum(1)  # [N, H]
-
-
-def gather_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Routed experts with static shapes and no host sync (CUDA-graph capturable): every route's
-    expert weights gathered, two batched products. x [N, H], topk [N, k], gate_up [E, 2I, H],
-    down [E, H, I] -> [N, H]. Costs a gather of N·k experts' weights, so it suits the GPU only."""
-    n, k = topk_idx.shape
-    inter = down.shape[-1]
-    idx = topk_idx.reshape(-1).clamp(max=gate_up.shape[0] - 1)  # [N*k]; dropped routes get weight 0 below
-    w = torch.where(topk_idx.reshape(-1) < gate_up.shape[0], topk_w.reshape(-1), 0)  # [N*k]
-    xs = x.repeat_interleave(k, 0)[:, :, None]  # [N*k, H, 1]
-    h = glu(torch.bmm(gate_up[idx], xs)[..., 0], act, inter)  # [N*k, I]
-    y = torch.bmm(down[idx], h[:, :, None])[..., 0] * w[:, None].to(x.dtype)  # [N*k, H]
-    return y.view(n, k, -1).sum(1)  # [N, H]
