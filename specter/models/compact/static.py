@@ -16,7 +16,9 @@ attention reads no more than the positions written).
 
 The step owns its caches: `cache(capacity)` hands out one buffer set per (batch, rounded
 capacity), reset to length 0, so the traced (or graph-captured) buffers never change address and
-one sequence at a time decodes through a static decoder, as target_only does.
+one sequence at a time decodes through a static decoder, as target_only does. On a CPU, once
+dynamo has run a trace, the step calls the compiled graph itself (`direct.DirectCall`): dynamo's
+per-call guards and input loading were a third of the step.
 
 Only blocks whose experts are all on the device (a plain transformers experts module, as in
 target_only) have a static form; an offloading experts callable decides residency on the host
@@ -33,6 +35,7 @@ import torch
 
 from specter.models.compact.attention import StaticTokens
 from specter.models.compact.cache import StaticKVCache
+from specter.models.compact.direct import DirectCall, recording_backend
 from specter.models.compact.model import CompactCausalLM
 from specter.models.compact.moe import DenseMLP
 from specter.models.compact.ops import FusedExperts, GatheredExperts, rope_tables
@@ -84,9 +87,9 @@ def _guard_arguments_only(entries) -> list[bool]:
 
 
 def compile_options(device: torch.device) -> dict:
-    """Inductor options for the static step: guards on the arguments only; on CPU a C++ wrapper (no
-    Python between kernels); on CUDA, CUDA graphs (the step replays as one graph)."""
-    options = {"guard_filter_fn": _guard_arguments_only, "size_asserts": False}
+    """Inductor options for the static step: on CPU a C++ wrapper (no Python between kernels); on
+    CUDA, CUDA graphs (the step replays as one graph)."""
+    options = {"size_asserts": False}
     if device.type == "cuda":
         options["triton.cudagraphs"] = True
     else:
@@ -108,8 +111,16 @@ class StaticStep:
         self.compiled = compile
         self.caches: dict[tuple[int, int], StaticKVCache] = {}
         self.tables: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
-        self.fn = torch.compile(_own_code(self.step), fullgraph=True, dynamic=None,
-                                options=compile_options(model.device)) if compile else self.step
+        self.fn = self.step
+        # On a CPU, once dynamo has run a trace, the step calls its graph directly (direct.py); under
+        # CUDA graphs the replay already removes the per-call cost, so dynamo keeps calling.
+        self.direct_calls = compile and model.device.type == "cpu"
+        self.calls: dict[tuple[int, bool], object] = {}  # (capacity, first position) -> DirectCall or self.fn
+        self._seen: list = []
+        if compile:
+            self.fn = torch.compile(_own_code(self.step), fullgraph=True, dynamic=None,
+                                    backend=recording_backend(compile_options(model.device), self._seen),
+                                    options={"guard_filter_fn": _guard_arguments_only})
 
     def cache(self, capacity: int, batch: int = 1) -> StaticKVCache:
         """This step's cache for `capacity` positions (rounded up to CAPACITY_QUANTUM), empty. The same
@@ -127,10 +138,16 @@ class StaticStep:
         return cache
 
     def _pin(self, cache: StaticKVCache) -> None:
-        """CUDA graphs replay fixed addresses: tell the compiler the KV buffers are static inputs."""
-        if self.compiled and self.model.device.type == "cuda":
-            for buf in cache.keys + cache.values:
+        """CUDA graphs replay fixed addresses: tell the compiler the KV buffers are static inputs. On a
+        CPU keep their sizes static (a new capacity is a new trace, not a dynamic size: direct calls
+        map one dynamic size only, the span's length)."""
+        if not self.compiled:
+            return
+        for buf in cache.keys + cache.values:
+            if self.model.device.type == "cuda":
                 torch._dynamo.mark_static_address(buf)
+            else:
+                torch._dynamo.mark_static(buf)
 
     @staticmethod
     def _static_mlp(mlp):
@@ -164,7 +181,16 @@ class StaticStep:
             self._pin(cache)
         positions, spans, cos, sin = self.tables.get(cache.capacity) or self._tables(cache.capacity)
         n = cache.length
-        logits = self.fn(token, positions[n], spans[n], cache.keys, cache.values, cos, sin)
+        args = (token, positions[n], spans[n], cache.keys, cache.values, cos, sin)
+        call = self.calls.get((cache.capacity, n == 0)) if self.direct_calls else None
+        if call is not None:
+            logits = call(*args)
+        else:
+            self._seen.clear()  # what the backend records next is this call's graph, or nothing
+            logits = self.fn(*args)
+            if self.direct_calls:  # the trace (span length 1 is its own) has run: call its graph from now on
+                direct = DirectCall.learn(self._seen, args, dynamic_length=n > 0)
+                self.calls[(cache.capacity, n == 0)] = direct or self.fn
         cache.advance(1)
         return logits.view(1, 1, -1)
 
@@ -187,5 +213,9 @@ class StaticStep:
             if self.compiled:
                 for span in spans[1:]:  # length 1 is specialised by the compiler (its own trace)
                     torch._dynamo.maybe_mark_dynamic(span, 0)
-        self.tables[capacity] = (positions, spans, m.rope.cos[:capacity], m.rope.sin[:capacity])
+        cos, sin = m.rope.cos[:capacity], m.rope.sin[:capacity]
+        if self.compiled and self.model.device.type != "cuda":
+            torch._dynamo.mark_static(cos)  # sized by the capacity: a new one is a new trace (see _pin)
+            torch._dynamo.mark_static(sin)
+        self.tables[capacity] = (positions, spans, cos, sin)
         return self.tables[capacity]
