@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.compose import CONF_DIR
@@ -31,7 +32,8 @@ from specter.harness.config import ConfigError
 from specter.harness.methods import Method, Specter
 from specter.harness.runtime import build_runtime, final_runtime, staging_for
 from specter.models.loading import non_expert_bytes
-from specter.moe import MoERuntime
+from specter.moe import DraftExecutor, MoERuntime, SpecterExperts
+from specter.offload.runtime import Runtime
 from specter.predict.planner import PlannerConfig, PrefetchPlanner
 from specter.quant.draft import draft_forward
 from specter.spec import MethodSpec, extend_spec
@@ -79,6 +81,21 @@ def real_expert_count(cfg: DictConfig) -> int:
     return int(OmegaConf.load(CONF_DIR / "model" / f"{real}.yaml").published.num_experts)  # the published checkpoint's
 
 
+def separate_draft_instance(rt: Runtime, experts: dict) -> tuple[torch.nn.Module, MoERuntime]:
+    """A copy of `rt`'s model (its own copy of every non-expert tensor; the routed experts hold no
+    tensors) whose experts consult a runtime of their own, which drafts with `experts` (it only ever
+    runs in draft mode; the target's cache is never read through it)."""
+    target_modules = list(rt.om.experts.values())
+    for module in target_modules:  # copy the instance without its runtime (and the cache behind it)
+        module.runtime = None
+    try:
+        model = copy.deepcopy(rt.model)
+    finally:
+        rt.moe.attach(target_modules)
+    draft_modules = [m for m in model.modules() if isinstance(m, SpecterExperts)]
+    return model, MoERuntime(rt.moe.target, DraftExecutor(experts, draft_forward)).attach(draft_modules)
+
+
 class SpecMoEOff(Specter):
     """SpecMoEOff's preset: K=3, separate draft and KV, route-frequency prefetch, fewer residents."""
 
@@ -123,9 +140,7 @@ class SpecMoEOff(Specter):
             self.rt = final_runtime(rt, M, staging_for(spec, rt, design), draft_bytes=self.draft_bytes,
                                     separate_draft=self.draft_extra,
                                     what=f"{spec.model} specmoeoff at memory={spec.memory} (M={M})")
-            # The draft instance only ever runs in draft mode; the target's cache is never read through it.
-            self.draft_moe = MoERuntime(self.rt.cache, draft=experts, draft_forward=draft_forward)
-            self.draft_model = copy.deepcopy(self.rt.model, memo={id(self.rt.moe): self.draft_moe})
+            self.draft_model, self.draft_moe = separate_draft_instance(self.rt, experts)
         except BaseException:
             rt.close()
             raise

@@ -26,20 +26,24 @@ from specter.harness.compose import compose
 
 
 def time_verification(rt, prompt: torch.Tensor, window: torch.Tensor, schedule: str, reps: int) -> dict:
+    from specter.moe import MoERuntime, TargetExecutor
     from specter.speculative.state import SequenceState
 
-    rt.moe.schedule = schedule
+    moe = MoERuntime(TargetExecutor(rt.cache, schedule)).attach(rt.om.experts.values())  # this schedule's executor
     times, loads = [], []
-    with torch.inference_mode(), rt.moe.mode("target"):
-        for _ in range(reps):
-            state = SequenceState.new(rt.model)
-            rt.model(input_ids=prompt, cache=state.cache)
-            state.committed_kv = prompt.shape[1]
-            rt.cache.reset()  # same starting residents every repetition, outside timing
-            t = time.perf_counter()
-            rt.model(input_ids=window, cache=state.cache)
-            times.append(time.perf_counter() - t)
-            loads.append(rt.cache.snapshot_counters()["loads"])
+    try:
+        with torch.inference_mode(), moe.mode("target"):
+            for _ in range(reps):
+                state = SequenceState.new(rt.model)
+                rt.model(input_ids=prompt, cache=state.cache)
+                state.committed_kv = prompt.shape[1]
+                rt.cache.reset()  # same starting residents every repetition, outside timing
+                t = time.perf_counter()
+                rt.model(input_ids=window, cache=state.cache)
+                times.append(time.perf_counter() - t)
+                loads.append(rt.cache.snapshot_counters()["loads"])
+    finally:
+        rt.moe.attach(rt.om.experts.values())
     return {"ms": statistics.median(times) * 1e3, "loads": statistics.median(loads)}
 
 

@@ -5,12 +5,15 @@ How a run is assembled (the config stops at the spec; the engine takes typed val
     CLI / compose ──► DictConfig ──► harness.runtime.method_spec ──► MethodSpec (frozen; env.json "spec")
                                                                         │ a baseline: replace(spec, ...)
     Method (harness.methods) ── build_runtime(spec) ── draft ── final_runtime(rt, M, staging, draft)
-                                                                        │ Runtime (frozen)
+                                                                        │ Runtime (frozen): its MoERuntime
+                                                                        │ holds two immutable executors,
+                                                                        │ TargetExecutor and DraftExecutor
     SpeculativeEngine / BatchedSpeculativeEngine(rt, spec values,
         drafter=SharedDrafter | SeparateDrafter, planner=PrefetchPlanner subclass, expert_filter=...)
 
     one window: drafter drafts K ─► planner boundaries b_i: ELB top-M plan ─► prefetch ─► verify K+1
                 (expert filter on verification passes) ─► accept ─► commit
+    every switch: `with moe.mode("draft" | "target", **Observers)` (ELB, route log, filter, capture, tracer)
 """
 
 import logging as _logging

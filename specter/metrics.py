@@ -53,10 +53,6 @@ class CommitClock:
             "tpot_ms": (last - first) * 1e3 / (n - 1) if n > 1 else None,
         }
 
-    def token_times(self) -> list[float]:
-        """Commit time (seconds since start) of every token: a commit of n tokens stamps n tokens."""
-        return [stamp - self.start_s for stamp, n in zip(self.stamps, self.counts) for _ in range(n)]
-
 
 def io_stats(cache, link_busy_s: float | None = None) -> dict[str, Any]:
     """Expert I/O columns of a record, from the cache's counters and the link's (one place for all methods).

@@ -3,10 +3,13 @@
 Every MoE block keeps its own router and shared experts; only `block.experts` is replaced by
 `SpecterExperts`, called exactly like transformers' fused experts module:
 `experts(hidden [T,H], topk_idx [T,k], topk_w [T,k]) -> [T,H]`. All layers consult one
-`MoERuntime`, which says which mode the shared instance is in:
+`MoERuntime`, which runs one of two immutable executors under one set of `Observers`:
 
-    draft   resident INT4 experts, fused multi-expert kernel; routes counted into the ELB
-    target  FP experts from the per-layer device cache, expert-wise (or token-wise) schedule
+    draft   DraftExecutor: resident INT4 experts, fused multi-expert kernel; routes counted into the ELB
+    target  TargetExecutor: FP experts from the per-layer device cache, expert-wise (or token-wise)
+            schedule; route log, expert filter, calibration capture and tracer watch it
+
+    with moe.mode("draft", elb=elb): ...            # the one way to switch; restored on exit
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -57,71 +60,125 @@ class RouteLog:
 
 
 Mode = Literal["target", "draft"]
+ExpertFilter = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
-class MoERuntime:
-    """Shared state every `SpecterExperts` layer consults.
+@dataclass(frozen=True)
+class Observers:
+    """What watches the routed experts of the forwards inside one `MoERuntime.mode(...)`."""
 
-    Change the mode only through `mode(...)`, which restores the previous state on exit, so no
-    caller can leave the shared instance in draft mode or with a stale ELB / route log attached.
-    """
+    elb: ExpertLoadBuffer | None = None  # draft routes counted for the planner
+    route_log: RouteLog | None = None  # target routes per window, when metrics need them
+    expert_filter: ExpertFilter | None = None  # verification-time route filter (MoE-Spec's budget, padding)
+    capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # calibration hook (layer, x, idx)
+    tracer: Any = None  # specter.speculative.trace.WindowTracer: per-layer / per-expert verification spans
+
+
+NO_OBSERVERS = Observers()
+
+
+@dataclass(frozen=True)
+class DraftExecutor:
+    """The shared instance as the draft: resident INT4 experts through the fused draft kernel."""
+
+    experts: dict[int, Any]  # MoE layer -> INT4 draft experts (specter.quant.draft.DraftExperts)
+    forward: Callable[..., torch.Tensor]  # fused draft kernel (x, idx, w, experts, act_fn) -> [T, H]
+
+    def __call__(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, act_fn,
+                 seen: Observers) -> torch.Tensor:
+        if seen.elb is not None:
+            seen.elb.add(layer, topk_idx)
+        return self.forward(x, topk_idx, topk_w, self.experts[layer], act_fn)
+
+
+@dataclass(frozen=True)
+class TargetExecutor:
+    """The shared instance as the target: FP experts through the per-layer device cache on the
+    expert-wise (or token-wise) schedule, or, with `host`, straight from the host store (untimed
+    probes and calibration only)."""
 
     cache: ExpertCache
-    schedule: str = "expert"  # target-mode schedule: "expert" | "token"
-    draft: dict[int, Any] | None = None  # MoE layer -> INT4 draft experts (resident)
-    draft_forward: Callable[..., torch.Tensor] | None = None  # fused draft kernel
-    current: Mode = "target"
-    elb: ExpertLoadBuffer | None = None  # counted in draft mode
-    route_log: RouteLog | None = None  # target routes per window, when metrics need them
-    host_compute: bool = False  # target experts straight from the host store (untimed probes only)
-    capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # calibration hook
-    expert_filter: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-    tracer: Any = None  # specter.speculative.trace.WindowTracer: per-layer / per-expert verification spans
+    schedule: str = "expert"  # "expert" | "token"
+    host: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown target schedule {self.schedule!r}; choose one of {SCHEDULES}")
 
-    @contextmanager
-    def mode(self, mode: Mode, *, elb: ExpertLoadBuffer | None = None, route_log: RouteLog | None = None,
-             host_compute: bool = False, capture=None, expert_filter=None) -> Iterator[MoERuntime]:
-        """Run the shared instance as the draft or the target inside the block; always restored."""
-        if mode not in ("target", "draft"):
-            raise ValueError(f"unknown MoE mode {mode!r}")
-        if mode == "draft" and self.draft is None:
-            raise RuntimeError("draft mode needs the INT4 draft experts attached (moe.draft)")
-        saved = (self.current, self.elb, self.route_log, self.host_compute, self.capture, self.expert_filter)
-        self.current, self.elb, self.route_log = mode, elb, route_log
-        self.host_compute, self.capture, self.expert_filter = host_compute, capture, expert_filter
-        try:
-            yield self
-        finally:
-            (self.current, self.elb, self.route_log, self.host_compute, self.capture, self.expert_filter) = saved
-
-    def experts_forward(self, layer: int, x, topk_idx, topk_w, act_fn) -> torch.Tensor:
-        if self.current == "draft":
-            if self.elb is not None:
-                self.elb.add(layer, topk_idx)
-            return self.draft_forward(x, topk_idx, topk_w, self.draft[layer], act_fn)
+    def __call__(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, act_fn,
+                 seen: Observers) -> torch.Tensor:
         routed = topk_idx
-        if self.expert_filter is not None:  # e.g. verification-time expert budgeting (lossy baselines)
-            topk_idx, topk_w = self.expert_filter(layer, topk_idx, topk_w)  # a dropped route becomes id E ("no expert")
+        if seen.expert_filter is not None:  # a dropped route becomes id E ("no expert")
+            topk_idx, topk_w = seen.expert_filter(layer, topk_idx, topk_w)
             routed = topk_idx[topk_idx < self.cache.store.num_experts]  # [n]
-        if self.route_log is not None:
-            self.route_log.add(layer, routed)
-        if self.capture is not None:
-            self.capture(layer, x, topk_idx)
-        if self.host_compute:
+        if seen.route_log is not None:
+            seen.route_log.add(layer, routed)
+        if seen.capture is not None:
+            seen.capture(layer, x, topk_idx)
+        if self.host:
             return host_moe(x, topk_idx, topk_w, layer, self.cache.store, act_fn)
         if self.schedule == "token":
             return token_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn)
-        if self.tracer is None:
+        if seen.tracer is None:
             return expert_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn)
         t0 = time.perf_counter()
-        out = expert_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn, tracer=self.tracer)
-        self.tracer.span("moe", t0, time.perf_counter(), layer=layer)
+        out = expert_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn, tracer=seen.tracer)
+        seen.tracer.span("moe", t0, time.perf_counter(), layer=layer)
         return out
+
+
+class MoERuntime:
+    """The executors every `SpecterExperts` layer consults, and which one runs now.
+
+    The executors and observers are immutable; the only state is which executor runs with which
+    observers, and it changes only through `mode(...)`, which restores it on exit, so no caller can
+    leave the shared instance in draft mode or with a stale ELB / route log attached.
+    """
+
+    def __init__(self, target: TargetExecutor, draft: DraftExecutor | None = None):
+        self.target, self.draft = target, draft
+        self.host = replace(target, host=True)
+        self._active: TargetExecutor | DraftExecutor = target
+        self._seen = NO_OBSERVERS
+
+    @property
+    def cache(self) -> ExpertCache:
+        return self.target.cache
+
+    @property
+    def schedule(self) -> str:
+        return self.target.schedule
+
+    @property
+    def current(self) -> Mode:
+        return "draft" if self._active is self.draft else "target"
+
+    def attach(self, modules) -> MoERuntime:
+        """Make `modules` (the model's `SpecterExperts`) consult this runtime."""
+        for module in modules:
+            module.runtime = self
+        return self
+
+    @contextmanager
+    def mode(self, mode: Mode, *, elb: ExpertLoadBuffer | None = None, route_log: RouteLog | None = None,
+             host_compute: bool = False, capture=None, expert_filter: ExpertFilter | None = None,
+             tracer: Any = None) -> Iterator[MoERuntime]:
+        """Run the shared instance as the draft or the target (from the host store with `host_compute`)
+        inside the block, watched by the given observers; always restored."""
+        if mode not in ("target", "draft"):
+            raise ValueError(f"unknown MoE mode {mode!r}")
+        if mode == "draft" and self.draft is None:
+            raise RuntimeError("draft mode needs the INT4 draft experts attached (a DraftExecutor)")
+        saved = (self._active, self._seen)
+        self._active = self.draft if mode == "draft" else self.host if host_compute else self.target
+        self._seen = Observers(elb, route_log, expert_filter, capture, tracer)
+        try:
+            yield self
+        finally:
+            self._active, self._seen = saved
+
+    def experts_forward(self, layer: int, x, topk_idx, topk_w, act_fn) -> torch.Tensor:
+        return self._active(layer, x, topk_idx, topk_w, act_fn, self._seen)
 
 
 class SpecterExperts(torch.nn.Module):

@@ -119,13 +119,13 @@ def test_microbatches_share_one_cache_and_equal_b1_greedy(microbatches, tiny_che
 
 def _corrupt_draft_of(moe) -> None:
     """A much worse draft (per-token scaled expert outputs): requests reject at different positions."""
-    inner = moe.draft_forward
+    inner = moe.draft.forward
 
     def noisy(x, idx, w, d, act):
         scale = 1 + 4 * torch.sin(torch.arange(x.shape[0], dtype=x.dtype) * 1.7 + x[:, 0].sign())[:, None]
         return inner(x, idx, w, d, act) * scale
 
-    moe.draft_forward = noisy
+    moe.draft = replace(moe.draft, forward=noisy)
 
 
 @pytest.mark.parametrize(("name", "max_holes"), [("tiny_dsv2", 0), ("tiny_phi", 6)])  # MLA and GQA caches

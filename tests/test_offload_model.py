@@ -13,7 +13,7 @@ from specter.offload.budget import BudgetError
 from specter.harness.methods import build_method
 from specter.models.loading import load_full_model
 from specter.models.loading import WeightError, load_offloaded
-from specter.moe import MoERuntime
+from specter.moe import MoERuntime, TargetExecutor
 from specter.offload.cache import ExpertCache
 from specter.offload.link import EmulatedLink
 from specter.speculative.sampling import SamplingParams
@@ -37,9 +37,7 @@ def test_offloaded_logits_equal_hf(name, tiny_checkpoint):
         link = EmulatedLink(bandwidth_bytes_per_s=2e9, latency_s=2e-5)
         cache = ExpertCache(om.store, link, {layer: M for layer in om.moe_layers}, CPU, torch.float32)
         for schedule in ("expert", "token"):
-            rt = MoERuntime(cache, schedule=schedule)
-            for module in om.experts.values():
-                module.runtime = rt
+            MoERuntime(TargetExecutor(cache, schedule)).attach(om.experts.values())
             with torch.no_grad():
                 out = om.model(ids).logits
             if schedule == "expert":  # same matmul shapes as HF: bit-identical
@@ -58,6 +56,42 @@ def test_shared_tensors_stay_on_device_and_experts_in_store(tiny_checkpoint):
     assert any("shared_experts" in n for n in names) and any("mlp.gate.weight" in n for n in names)
     assert om.model.model.layers[1].mlp.gate.weight.dtype == torch.float32
     assert om.store.total_bytes == 3 * 64 * om.store.nbytes_per_expert
+
+
+def test_moe_runtime_switches_only_through_mode_and_restores(tiny_checkpoint):
+    """Executors are immutable; `mode` picks the executor and its observers for the block, nested
+    modes restore the outer one, and the observers see only their own executor's routes."""
+    import dataclasses
+
+    from specter.moe import DraftExecutor, RouteLog
+
+    om = load_offloaded(tiny_checkpoint("tiny_qwen"), CPU, torch.float32)
+    link = EmulatedLink(bandwidth_bytes_per_s=2e9, latency_s=2e-5)
+    cache = ExpertCache(om.store, link, {layer: 2 for layer in om.moe_layers}, CPU, torch.float32)
+    drafted = []
+    draft = DraftExecutor({layer: None for layer in om.moe_layers},
+                          lambda x, idx, w, experts, act: drafted.append(idx.shape) or torch.zeros_like(x))
+    moe = MoERuntime(TargetExecutor(cache), draft).attach(om.experts.values())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moe.target.schedule = "token"  # type: ignore[misc]
+    with pytest.raises(ValueError, match="schedule"):
+        TargetExecutor(cache, "row")
+    with pytest.raises(RuntimeError, match="DraftExecutor"):
+        with MoERuntime(TargetExecutor(cache)).mode("draft"):
+            pass
+    ids = torch.randint(0, 1000, (1, 5), generator=torch.Generator().manual_seed(1))
+    log, captured = RouteLog(), []
+    with torch.no_grad(), moe.mode("target", route_log=log, capture=lambda layer, x, idx: captured.append(layer)):
+        om.model(ids)
+        with moe.mode("draft"):
+            assert moe.current == "draft"
+            om.model(ids)
+        assert moe.current == "target"
+        om.model(ids)
+    assert moe.current == "target"
+    assert len(drafted) == len(om.moe_layers)  # the draft ran once, and its routes reached no target observer
+    assert captured == list(om.moe_layers) * 2 and set(log.windows[0]) == set(om.moe_layers)
+    link.close()
 
 
 def _broken_copy(src, dst, mutate):

@@ -54,7 +54,3 @@ class SideTables:
             if rows:
                 self.store(name).append_many([{**key, **row} for row in rows], what=f"the {name} rows of a record")
 
-
-def write_artifacts(out: Path, key: dict[str, Any], artifacts: dict[str, list[dict[str, Any]]]) -> None:
-    """`SideTables(out).append(key, artifacts)` (opens and validates the tables each call)."""
-    SideTables(out).append(key, artifacts)

@@ -223,7 +223,7 @@ class Specter(Method):
     @property
     def draft(self) -> dict:
         """MoE layer -> the INT4 draft experts the shared instance drafts with."""
-        return self.rt.moe.draft
+        return self.rt.moe.draft.experts
 
     def build_draft_experts(self, rt: Runtime) -> dict:
         """The INT4 draft experts of `rt`'s model (GPTQ calibrated through `rt`, or RTN); sets

@@ -88,14 +88,6 @@ SCHEMA = Schema("records", COLUMNS, KEY_COLUMNS, text=TEXT_COLUMNS, integers=fro
                 required=REQUIRED_COLUMNS, check=_record_rules, noun="record")
 
 
-def row_problem(values: dict[str, str]) -> str | None:
-    """Why a row (column -> text as in the CSV) is not a finished record, or None when it is one."""
-    missing = [c for c in REQUIRED_COLUMNS if c not in values]
-    if missing:
-        return f"required column(s) empty: {', '.join(missing)}"
-    return SCHEMA.problem(values)
-
-
 def parse_records(text: str) -> tuple[list[str], list[tuple[int, str, dict[str, str]]], list[Rejected]]:
     """(header, finished rows as (line, raw line, values), rejected lines) of a records.csv's text.
 

@@ -17,7 +17,7 @@ from specter.harness.config import ConfigError, bind_checkpoint, effective_K, re
 from specter.harness.load_ratio import probe_decoder
 from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
 from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
-from specter.moe import MoERuntime
+from specter.moe import DraftExecutor, MoERuntime, TargetExecutor
 from specter.offload.budget import Footprint, STAGING_PER_LAYER, kv_bytes_per_token, staging_buffers
 from specter.offload.cache import ExpertCache
 from specter.offload.calibrate import LinkParams, calibrated_link, fixed_link, measure_layer_step
@@ -185,9 +185,7 @@ def build_runtime(spec: MethodSpec | DictConfig, checkpoint: Path, resident: int
            if params.kind == "emulated" else {"device": device} if params.kind == "cuda" else {}),
     )
     cache = ExpertCache(om.store, link, {layer: M for layer in layers}, device, dtype, staging=staging)
-    moe = MoERuntime(cache, schedule=spec.schedule)
-    for module in om.experts.values():
-        module.runtime = moe
+    moe = MoERuntime(TargetExecutor(cache, spec.schedule)).attach(om.experts.values())
     footprint = Footprint(
         non_expert=non_expert,
         cache_slots=cache.slot_bytes(),
@@ -223,9 +221,8 @@ def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None =
     old = rt.cache
     cache = old if (resident, staging) == (rt.resident, old.staging) else ExpertCache(
         old.store, rt.link, {layer: resident for layer in old.layers}, old.device, old.dtype, staging=staging)
-    moe = MoERuntime(cache, schedule=rt.moe.schedule, draft=draft, draft_forward=draft_forward if draft else None)
-    for module in rt.om.experts.values():
-        module.runtime = moe
+    moe = MoERuntime(TargetExecutor(cache, rt.moe.schedule),
+                     DraftExecutor(draft, draft_forward) if draft else None).attach(rt.om.experts.values())
     sep = separate_draft or {}
     footprint = replace(rt.footprint, cache_slots=cache.slot_bytes(), staging=cache.staging_bytes(),
                         draft_experts=draft_bytes, draft_non_expert=sep.get("non_expert", 0),

@@ -323,12 +323,14 @@ class ExpertCache:
         return self._layer(layer).rows[slot]
 
     # -- movement -----------------------------------------------------------------------
-    def _place(self, uid: ExpertUID, st: _Layer) -> tuple[int, Ticket, bool] | None:
-        """Find or load ``uid``; returns ``(slot, ready, hit)`` or None if every slot is protected."""
+    def _place(self, uid: ExpertUID) -> tuple[ExpertUID, _Layer, int, Ticket, bool] | None:
+        """Find or load ``uid``; returns ``(uid, its layer, slot, ready, hit)`` or None if every slot
+        of the layer is protected."""
+        st = self._layer(uid.layer)
         slot = st.policy.lookup(uid.expert)
         if slot is not None:
             st.policy.touch(uid.expert)
-            return slot, st.ready[slot], True
+            return uid, st, slot, st.ready[slot], True
         got = st.policy.admit(uid.expert)
         if got is None and self._pool:  # every own slot protected: borrow a staging buffer
             buf, last_use = self._pool.pop()
@@ -346,17 +348,15 @@ class ExpertCache:
         st.last_use[slot] = None
         self.counters.loads += 1
         self.counters.h2d_bytes += self.nbytes_per_expert
-        return slot, ticket, False
+        return uid, st, slot, ticket, False
 
     def acquire(self, uid: ExpertUID, *, demand: bool = True) -> SlotHandle | None:
         """Protect ``uid`` in a slot (loading it on a miss) and hand it out; None when every
         slot of the layer is protected. ``demand=False`` leaves hit/miss counters alone."""
-        uid = ExpertUID(*uid)
-        st = self._layer(uid.layer)
-        placed = self._place(uid, st)
+        placed = self._place(ExpertUID(*uid))
         if placed is None:
             return None
-        slot, ticket, hit = placed
+        uid, st, slot, ticket, hit = placed
         if uid.expert in st.prefetched:  # consume the prefetch: its protection passes to this handle
             if st.prefetched.pop(uid.expert):
                 self.counters.prefetch_used += 1
@@ -372,12 +372,10 @@ class ExpertCache:
     def prefetch(self, uid: ExpertUID) -> SlotHandle | None:
         """Load ``uid`` ahead of use (if not resident) and keep it protected until an
         ``acquire`` of it consumes the prefetch; None when every slot is protected."""
-        uid = ExpertUID(*uid)
-        st = self._layer(uid.layer)
-        placed = self._place(uid, st)
+        placed = self._place(ExpertUID(*uid))
         if placed is None:
             return None
-        slot, ticket, hit = placed
+        uid, st, slot, ticket, hit = placed
         if uid.expert not in st.prefetched:
             st.policy.protect(uid.expert)
             st.prefetched[uid.expert] = not hit

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from specter.metrics import io_stats
-from specter.moe import MoERuntime, RouteLog
+from specter.moe import ExpertFilter, MoERuntime, RouteLog
 from specter.predict.oracle import oracle_bytes, oracle_plan
 from specter.speculative.batch_state import BatchKV, Request
 from specter.speculative.drafter import run_model
-from specter.speculative.engine import ExpertFilter, SpeculativeEngine, WindowTrace, acceptance_stats
+from specter.speculative.engine import SpeculativeEngine, WindowTrace, acceptance_stats
 from specter.speculative.sampling import (
     SamplingParams,
     draft_next,

@@ -20,12 +20,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 
 from specter.metrics import CommitClock, io_stats
-from specter.moe import RouteLog
+from specter.moe import ExpertFilter, RouteLog
 from specter.offload.runtime import Runtime
 from specter.offload.store import ExpertUID
 from specter.predict.elb import ExpertLoadBuffer
@@ -39,7 +39,6 @@ from specter.speculative.trace import WindowTracer
 
 PlannerState = Literal["warm", "cold", "carry"]
 PLANNER_STATES: tuple[str, ...] = ("warm", "cold", "carry")
-ExpertFilter = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -164,7 +163,7 @@ class SpeculativeEngine:
             return self.drafter.forward(ids, state, self.elb)  # [T, V]
         verifying = state.committed_kv > 0  # the prefill runs the full router
         with self.moe.mode("target", route_log=self.route_log, host_compute=host_compute,
-                           expert_filter=self.expert_filter if verifying else None):
+                           expert_filter=self.expert_filter if verifying else None, tracer=self.tracer):
             return self.model(input_ids=ids, cache=state.cache, use_cache=True).logits[0]  # [T, V]
 
     def _target(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
@@ -183,11 +182,11 @@ class SpeculativeEngine:
         link = self.rt.link
         link0 = link.busy_seconds
         tracer = self.tracer = WindowTracer() if self.trace_windows else None
-        link.observer, self.moe.tracer = (tracer.on_copy, tracer) if tracer else (None, None)
+        link.observer = tracer.on_copy if tracer else None
         try:
             return self._generate(prompt_ids, max_new_tokens, generator, clock, state, trace, link, link0, tracer)
         finally:
-            link.observer, self.moe.tracer = None, None
+            link.observer = None
 
     def _generate(self, prompt_ids, max_new_tokens, generator, clock, state, trace, link, link0, tracer):
         clock.start()
