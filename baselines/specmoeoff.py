@@ -38,7 +38,6 @@ from specter.predict.planner import PlannerConfig, PrefetchPlanner
 from specter.quant.draft import draft_forward
 from specter.spec import MethodSpec, extend_spec
 from specter.speculative.drafter import SeparateDrafter
-from specter.speculative.engine import SpeculativeEngine
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ class SpecMoEOff(Specter):
         except BaseException:
             rt.close()
             raise
-        self.engine = self.make_engine(SpeculativeEngine)
+        self.engine = self.make_engine()
         self.batch_engines = []
         self.verify = spec.verify_lossless and self.params.temperature == 0
         self.tie_tolerance = spec.tie_tolerance

@@ -27,19 +27,18 @@ from specter.harness.compose import compose
 
 def time_verification(rt, prompt: torch.Tensor, window: torch.Tensor, schedule: str, reps: int) -> dict:
     from specter.moe import MoERuntime, TargetExecutor
-    from specter.speculative.state import SequenceState
+    from specter.speculative.state import SequenceKV
 
     moe = MoERuntime(TargetExecutor(rt.cache, schedule)).attach(rt.om.experts.values())  # this schedule's executor
     times, loads = [], []
     try:
         with torch.inference_mode(), moe.mode("target"):
             for _ in range(reps):
-                state = SequenceState.new(rt.model)
-                rt.model(input_ids=prompt, cache=state.cache)
-                state.committed_kv = prompt.shape[1]
+                rows = SequenceKV(rt.model)
+                rows.run(rows.prefill_inputs([prompt], 0)[0])
                 rt.cache.reset()  # same starting residents every repetition, outside timing
                 t = time.perf_counter()
-                rt.model(input_ids=window, cache=state.cache)
+                rows.run(window)
                 times.append(time.perf_counter() - t)
                 loads.append(rt.cache.snapshot_counters()["loads"])
     finally:

@@ -8,11 +8,13 @@ How a run is assembled (the config stops at the spec; the engine takes typed val
                                                                         │ Runtime (frozen): its MoERuntime
                                                                         │ holds two immutable executors,
                                                                         │ TargetExecutor and DraftExecutor
-    SpeculativeEngine / BatchedSpeculativeEngine(rt, spec values,
+    SpeculativeEngine(rt, spec values,
         drafter=SharedDrafter | SeparateDrafter, planner=PrefetchPlanner subclass, expert_filter=...)
+        generate()        one request: B = 1 rows on the decode path's own cache (SequenceKV)
+        generate_batch()  B requests: BatchKV rows on transformers' modules (per-row positions, masks)
 
-    one window: drafter drafts K ─► planner boundaries b_i: ELB top-M plan ─► prefetch ─► verify K+1
-                (expert filter on verification passes) ─► accept ─► commit
+    one window, any B: drafter drafts Kb ─► planner boundaries b_i: ELB top-M plan ─► prefetch
+                ─► verify B×(Kb+1) (expert filter on verification passes) ─► accept ─► commit
     every switch: `with moe.mode("draft" | "target", **Observers)` (ELB, route log, filter, capture, tracer)
 """
 

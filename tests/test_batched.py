@@ -19,7 +19,6 @@ from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.batch_state import BatchKV
 from specter.speculative.batched import (
     BatchedAutoregressive,
-    BatchedSpeculativeEngine,
     greedy_verify_batch,
     padding_filter,
 )
@@ -78,7 +77,7 @@ def test_batched_specter_equals_b1_greedy(name, memory, tiny_checkpoint, referen
 
     cache.acquire = logged
     try:
-        engine = method.make_batch_engine()
+        engine = method.make_engine()
         for B in (1, 2, 3, 8):
             method.reset()
             misses.clear()
@@ -99,14 +98,14 @@ def test_batched_specter_equals_b1_greedy(name, memory, tiny_checkpoint, referen
 def test_microbatches_share_one_cache_and_equal_b1_greedy(microbatches, tiny_checkpoint, reference):
     """Any number of microbatches over one runtime: each request's tokens are its B=1 greedy output,
     and the I/O is the shared cache's (one count for the whole batch, not one per microbatch)."""
-    from specter.speculative.batched import generate_microbatched
+    from specter.speculative.engine import generate_microbatched
 
     name = "tiny_dsv2"
     ck = tiny_checkpoint(name)
     method = build_method(_cfg(name, "low", "K=4"), ck)
     prompts = _prompts()[:5]
     try:
-        engines = [method.make_batch_engine() for _ in range(microbatches)]
+        engines = [method.make_engine() for _ in range(microbatches)]
         method.reset()
         run = generate_microbatched(engines, prompts, 12)
         assert run.tokens == [reference(name, ck, p, 12) for p in prompts]
@@ -138,7 +137,7 @@ def test_rollback_with_uneven_acceptance(name, max_holes, tiny_checkpoint, refer
     prompts = _prompts(1)[:5]
     try:
         m = method.cfg.method
-        engine = BatchedSpeculativeEngine(method.rt, 4, GREEDY, prefetch=m.prefetch, max_holes=max_holes)
+        engine = SpeculativeEngine(method.rt, 4, GREEDY, prefetch=m.prefetch, max_holes=max_holes)
         run = engine.generate_batch(prompts, NEW)
         assert run.tokens == [reference(name, ck, p) for p in prompts]
         rates = {round(r.stats["accepted_fraction"], 3) for r in run.requests}
@@ -158,27 +157,22 @@ def test_batch_kv_keeps_each_request_cache(name, tiny_checkpoint):
     with torch.inference_mode():
         for max_holes in (0, 100):
             seqs = [p.tolist() for p in prompts]  # committed tokens per request (KV cached for all)
-            kv = BatchKV(model.config, CPU, max_holes=max_holes)
-            ids, pos, mask = kv.prefill_inputs(prompts, pad_id=1)
-            model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=kv.cache)
+            kv = BatchKV(model, CPU, max_holes=max_holes)
+            ids, token_valid = kv.prefill_inputs(prompts, pad_id=1)
+            assert token_valid is not None and int(token_valid.sum()) == sum(p.numel() for p in prompts)
+            kv.run(ids)
+            assert kv.pending == 0  # the prefill's columns are committed
             for keep in ([1, 4, 2], [5, 1, 3], [2, 2, 2], [3, 5, 1]):
                 T = max(keep)
-                scratch = torch.randint(2, 1000, (3, 3), generator=g)
-                p_ids, p_mask = kv.forward_inputs(3)
-                model(input_ids=scratch, position_ids=p_ids, attention_mask=p_mask, cache=kv.cache)  # draft scratch
-                kv.appended(3)
+                kv.run(torch.randint(2, 1000, (3, 3), generator=g))  # draft scratch
                 kv.discard_pending()
                 window = torch.randint(2, 1000, (3, T), generator=g)
-                p_ids, p_mask = kv.forward_inputs(T)
-                model(input_ids=window, position_ids=p_ids, attention_mask=p_mask, cache=kv.cache)
-                kv.appended(T)
+                kv.run(window)
                 kv.commit(keep)
                 for b in range(3):
                     seqs[b] += window[b, : keep[b]].tolist()
             probe = torch.randint(2, 1000, (3, 2), generator=g)
-            p_ids, p_mask = kv.forward_inputs(2)
-            logits = model(input_ids=probe, position_ids=p_ids, attention_mask=p_mask, cache=kv.cache).logits
-            kv.appended(2)
+            logits = kv.run(probe)
             for b in range(3):
                 fresh = DynamicCache(config=model.config)
                 ref = model(input_ids=torch.tensor([seqs[b] + probe[b].tolist()]), cache=fresh).logits[0, -2:]
@@ -238,7 +232,7 @@ def test_requests_join_and_leave_independently(tiny_checkpoint, reference):
     prompts = _prompts(4)
     lengths = [14, 24, 17, 6, 20]
     try:
-        engine = method.make_batch_engine()
+        engine = method.make_engine()
         engine.begin_run()
         first = [engine.submit(prompts[i], lengths[i]) for i in range(3)]
         engine.step()  # admits (prefill) and runs one iteration
@@ -269,7 +263,7 @@ def test_stochastic_request_does_not_depend_on_its_batch(tiny_checkpoint):
         for i, p in enumerate(prompts):
             method.reset()
             alone.append(single.generate(p, 20, torch.Generator().manual_seed(100 + i))[0])
-        engine = BatchedSpeculativeEngine(method.rt, 4, params)
+        engine = SpeculativeEngine(method.rt, 4, params)
         method.reset()
         run = engine.generate_batch(prompts, 20, [torch.Generator().manual_seed(100 + i) for i in range(3)])
         assert run.tokens == alone

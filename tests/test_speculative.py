@@ -11,7 +11,7 @@ from specter.harness.methods import LosslessViolation, build_method
 from specter.models.loading import load_full_model
 from specter.speculative.engine import SpeculativeEngine
 from specter.speculative.sampling import SamplingParams
-from specter.speculative.state import SequenceState
+from specter.speculative.state import SequenceKV
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams()
@@ -66,7 +66,8 @@ def test_lossless_check_can_fail(tiny_checkpoint, monkeypatch):
     try:
         prompt = torch.tensor([[17, 300, 45, 8]])
         method.generate(prompt, 16, torch.Generator().manual_seed(0))  # correct engine passes
-        monkeypatch.setattr(engine, "verify_window", lambda d, q, p, params, g=None: (len(d), int(d[-1])))
+        monkeypatch.setattr(engine, "greedy_verify_batch",  # accept every draft, bonus = the last draft
+                            lambda d, p, limits: (limits.tolist(), d[:, -1].tolist()))
         method.reset()
         with pytest.raises(LosslessViolation, match="differs"):
             method.generate(prompt, 16, torch.Generator().manual_seed(0))
@@ -81,23 +82,26 @@ def test_committed_kv_equals_target_alone(name, tiny_checkpoint):
     model = load_full_model(tiny_checkpoint(name), torch.float32, CPU)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(2, 1000, (1, 6), generator=g)
-    state = SequenceState.new(model)
+    rows = SequenceKV(model)
     with torch.inference_mode():
-        model(input_ids=prompt, cache=state.cache)
-        state.start(prompt.shape[1], int(torch.randint(2, 1000, (1,), generator=g)))
+        ids, _ = rows.prefill_inputs([prompt], pad_id=0)
+        rows.run(ids)
+        tokens = [int(torch.randint(2, 1000, (1,), generator=g))]  # committed; the last one is uncached
         for K, a in [(4, 0), (4, 4), (3, 1), (8, 5), (1, 0), (2, 2)]:
-            last = torch.tensor([[state.last_token]])
+            last = torch.tensor([[tokens[-1]]])
             scratch = torch.randint(2, 1000, (1, K - 1), generator=g)
-            model(input_ids=torch.cat([last, scratch], 1), cache=state.cache)  # draft scratch extension
-            state.discard_extension()
+            rows.run(torch.cat([last, scratch], 1))  # draft scratch extension
+            rows.discard_pending()
             drafts = torch.randint(2, 1000, (K,), generator=g)
-            model(input_ids=torch.cat([last[0], drafts])[None], cache=state.cache)  # verification: K+1
-            state.commit(drafts[:a].tolist(), int(torch.randint(2, 1000, (1,), generator=g)))
-            committed = torch.cat([prompt[0], torch.tensor(state.tokens[:-1])])[None]  # all but the uncached
-            fresh = SequenceState.new(model)
-            model(input_ids=committed, cache=fresh.cache)
-            assert state.kv_length() == committed.shape[1] == state.committed_kv
-            for mine, ref in zip(state.cache.layers, fresh.cache.layers):
+            rows.run(torch.cat([last[0], drafts])[None])  # verification: K+1
+            rows.commit([1 + a])
+            tokens += drafts[:a].tolist() + [int(torch.randint(2, 1000, (1,), generator=g))]
+            committed = torch.cat([prompt[0], torch.tensor(tokens[:-1])])[None]  # all but the uncached
+            fresh = SequenceKV(model)
+            ids, _ = fresh.prefill_inputs([committed], pad_id=0)
+            fresh.run(ids)
+            assert rows.cache.get_seq_length() == committed.shape[1] == rows.committed and rows.pending == 0
+            for mine, ref in zip(rows.cache.layers, fresh.cache.layers):
                 torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-4, atol=1e-5)
                 torch.testing.assert_close(mine.values, ref.values, rtol=1e-4, atol=1e-5)
 

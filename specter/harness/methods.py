@@ -31,14 +31,9 @@ from specter.predict.planner import PrefetchPlanner
 from specter.quant.draft import build_draft
 from specter.spec import MethodSpec
 from specter.speculative.autoregressive import generate_autoregressive
-from specter.speculative.batched import (
-    BatchedAutoregressive,
-    BatchedSpeculativeEngine,
-    BatchRun,
-    generate_microbatched,
-)
+from specter.speculative.batched import BatchedAutoregressive, BatchRun
 from specter.speculative.drafter import SharedDrafter
-from specter.speculative.engine import SpeculativeEngine
+from specter.speculative.engine import SpeculativeEngine, generate_microbatched
 
 
 @dataclass
@@ -215,8 +210,8 @@ class Specter(Method):
         except BaseException:
             rt.close()
             raise
-        self.engine = self.make_engine(SpeculativeEngine)
-        self.batch_engines: list[BatchedSpeculativeEngine] = []
+        self.engine = self.make_engine()
+        self.batch_engines: list[SpeculativeEngine] = []
         self.verify = spec.verify_lossless and self.params.temperature == 0
         self.tie_tolerance = spec.tie_tolerance
 
@@ -235,10 +230,10 @@ class Specter(Method):
         self.draft_bytes = sum(d.nbytes for d in draft.values())
         return draft
 
-    def make_engine(self, cls: type[SpeculativeEngine]) -> SpeculativeEngine:
-        """This method's engine (single-request or batched) from its spec and the pieces it swaps."""
+    def make_engine(self) -> SpeculativeEngine:
+        """This method's engine from its spec and the pieces it swaps."""
         s = self.spec
-        return cls(self.rt, s.K, s.sampling, prefetch=s.prefetch, planner_config=s.planner,
+        return SpeculativeEngine(self.rt, s.K, s.sampling, prefetch=s.prefetch, planner_config=s.planner,
                    planner_state=s.planner_state, expert_filter=self.expert_filter(), plan_cap=s.plan_cap,
                    planner=self.planner(), drafter=self.drafter())
 
@@ -265,13 +260,9 @@ class Specter(Method):
         for engine in [self.engine, *self.batch_engines]:
             engine.mark_warm()
 
-    def make_batch_engine(self) -> BatchedSpeculativeEngine:
-        """The batched form of this method's engine, over the same runtime and pieces."""
-        return self.make_engine(BatchedSpeculativeEngine)
-
     def generate_batch(self, prompts, max_new_tokens, generators):
         if not self.batch_engines:  # one engine per microbatch, built at the first batch
-            self.batch_engines = [self.make_batch_engine() for _ in range(self.microbatches)]
+            self.batch_engines = [self.make_engine() for _ in range(self.microbatches)]
         run = generate_microbatched(self.batch_engines, prompts, max_new_tokens, generators)
         if self.verify:
             for prompt, req in zip(prompts, run.requests):

@@ -86,10 +86,12 @@ def _layers(cache: DynamicCache) -> list:
 class BatchKV:
     """The batched KV cache, its column validity mask and per-request committed lengths."""
 
-    def __init__(self, config, device: torch.device, max_holes: int = 0):
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_holes: int = 0):
+        """The KV of `model`'s batched forwards (transformers' modules: they take per-row positions and masks)."""
         if max_holes < 0:
             raise ValueError(f"max_holes must be >= 0, got {max_holes}")
-        self.config = config
+        self.model = model
+        self.config = config = model.config
         self.device = torch.device(device)
         self.max_holes = max_holes
         self.cache = DynamicCache(config=config)
@@ -97,6 +99,7 @@ class BatchKV:
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] committed positions
         self.pending = 0  # columns appended past the committed state (draft scratch or a verified window)
         self.compactions = 0
+        self.prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # a staged prefill's (positions, mask)
 
     # ------------------------------------------------------------------------------ shape
     @property
@@ -119,6 +122,17 @@ class BatchKV:
     def appended(self, T: int) -> None:
         """Record that a forward appended T columns to every row."""
         self.pending += T
+
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of ``ids [B, T]``: a staged prefill (its columns committed by `valid`),
+        else T new pending columns per row."""
+        if self.prefill is not None:
+            (position_ids, mask), self.prefill = self.prefill, None
+        else:
+            position_ids, mask = self.forward_inputs(ids.shape[1])
+            self.appended(ids.shape[1])
+        return self.model(input_ids=ids, position_ids=position_ids, attention_mask=mask, cache=self.cache,
+                          use_cache=True).logits
 
     # ------------------------------------------------------------------------------ rollback / commit
     def discard_pending(self) -> None:
@@ -212,8 +226,9 @@ class BatchKV:
         self.lengths = torch.cat([self.lengths, other.lengths])
 
     # ------------------------------------------------------------------------------ prefill
-    def prefill_inputs(self, prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded ``(input_ids [B, P], position_ids [B, P], attention_mask [B, P])`` for an empty state."""
+    def prefill_inputs(self, prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-padded ``input_ids [B, P]`` for an empty state and ``token_valid [B, P]`` (None: no
+        padding); the next `run` is their prefill, with per-row positions and the padding masked."""
         if self.batch_size or self.pending:
             raise RuntimeError("prefill_inputs() needs an empty state")
         P = max(int(p.numel()) for p in prompts)
@@ -224,10 +239,10 @@ class BatchKV:
             n = int(p.numel())
             ids[b, P - n:] = p.reshape(-1).to(self.device)
             valid[b, P - n:] = True
-        positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, P]
+        self.prefill = ((valid.long().cumsum(1) - 1).clamp(min=0), valid.long())  # positions, mask [B, P]
         self.valid = valid
         self.lengths = valid.sum(1)
-        return ids, positions, valid.long()
+        return ids, (valid if not bool(valid.all()) else None)
 
 
 def _left_pad(t: torch.Tensor, S: int) -> torch.Tensor:

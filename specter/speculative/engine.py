@@ -1,8 +1,14 @@
-"""The speculative iteration loop over one shared model instance.
+"""The speculative window loop over one shared model instance, for B requests (B = 1 included).
 
-    committed prefix ──► draft K tokens (INT4 experts, ELB counts routes) ──► verify K+1 (target,
-    expert-wise, offloaded experts) ──► accept/reject ──► commit accepted KV, drop the rest
-                              │ at planner boundaries b_i: top-M plan → prefetch batch (copy link)
+    committed prefixes ──► draft Kb tokens each (INT4 experts, the ELB counts every request's routes)
+         ──► verify B×(Kb+1) (target, expert-wise, offloaded experts; one load serves every request)
+         ──► accept/reject per request ──► commit accepted KV, drop the rest
+                   │ at planner boundaries b_i: top-M plan → prefetch batch (copy link)
+
+One loop, two kinds of rows: `generate()` decodes one request on the decode path's own cache
+(`state.SequenceKV`: the compact decoder's StaticKVCache, or a DynamicCache), `generate_batch()`
+B requests on transformers' modules (`batch_state.BatchKV`: per-row positions, masks, holes).
+Admission, retirement and the commit of every request come from `batched.BatchLoop`.
 
 Names follow the paper: K draft length, p target probabilities, q draft probabilities, M cache
 slots per layer, b_i planner boundaries, α the per-token acceptance. At temperature 0 the output
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,9 +38,11 @@ from specter.offload.store import ExpertUID
 from specter.predict.elb import ExpertLoadBuffer
 from specter.predict.oracle import oracle_bytes, oracle_plan
 from specter.predict.planner import POLICIES, PlannerConfig, PrefetchPlanner, make_policy
+from specter.speculative.batch_state import Request
+from specter.speculative.batched import BatchLoop, BatchRun, greedy_verify_batch, padding_filter, working_set
 from specter.speculative.drafter import SharedDrafter
 from specter.speculative.sampling import SamplingParams, draft_next, next_token, verify_window
-from specter.speculative.state import SequenceState
+from specter.speculative.state import SequenceKV
 from specter.speculative.timing import StepTimer
 from specter.speculative.trace import WindowTracer
 
@@ -104,15 +113,17 @@ def prefetch_at_boundary(cache, planner, step: int, plan: dict[int, list[int]], 
     return sum(cache.prefetch(ExpertUID(layer, expert)) is None for layer, expert in decision.batch)
 
 
-class SpeculativeEngine:
-    """Draft with INT4 experts, prefetch by the planner, verify expert-wise with the target."""
+class SpeculativeEngine(BatchLoop):
+    """Draft with INT4 experts, prefetch by the planner, verify expert-wise with the target.
 
-    batched = False  # True: forwards carry per-row positions and masks (BatchedSpeculativeEngine)
+    The ELB counts the draft routes of all B requests, so the planner's top-M plan per layer is the
+    union working set ranked by how many (request, step) pairs routed to each expert.
+    """
 
     def __init__(self, rt: Runtime, K: int, params: SamplingParams, prefetch: str = "adaptive",
                  planner_config: PlannerConfig | None = None, planner_state: PlannerState = "warm",
                  expert_filter: ExpertFilter | None = None, plan_cap: int | None = None,
-                 planner: PrefetchPlanner | None = None, drafter: SharedDrafter | None = None):
+                 planner: PrefetchPlanner | None = None, drafter: SharedDrafter | None = None, max_holes: int = 0):
         """``planner`` (a policy object) replaces the named ``prefetch`` policy; ``drafter`` replaces the
         shared-instance INT4 draft; ``expert_filter`` applies to verification passes only."""
         if K < 1:
@@ -123,15 +134,10 @@ class SpeculativeEngine:
             raise ValueError(f"unknown planner_state {planner_state!r}; choose one of {PLANNER_STATES}")
         self.planner = planner or make_policy(prefetch, K, rt.om.store.nbytes_per_expert, planner_config)
         self.rt, self.K, self.params, self.prefetch = rt, K, params, self.planner.name
-        self.planner_state = planner_state
-        self.expert_filter = expert_filter
-        # single-request forwards: the compact decoder or the transformers model; batched forwards need
-        # per-row positions and masks, which only transformers' modules take
-        self.model = rt.model if self.batched else rt.forward_model
-        self.cache = rt.cache
-        self.moe = rt.moe
-        self.drafter = drafter or SharedDrafter(self.model, self.moe)
-        self.layers = rt.om.moe_layers
+        self.planner_state, self.expert_filter, self.max_holes = planner_state, expert_filter, max_holes
+        self.model = rt.model  # batched rows run transformers' modules; one request runs `rt.forward_model`
+        self.cache, self.moe, self.layers, self.num_experts = rt.cache, rt.moe, rt.om.moe_layers, rt.om.num_experts
+        self.drafter = drafter or SharedDrafter(self.moe)
         self.capacity = {layer: self.cache.capacity(layer) for layer in self.layers}  # M per layer
         # experts a window's plan keeps per layer; a verifier that computes at most `plan_cap` experts per
         # layer (MoE-Spec's budget) caps it, so the planner predicts no more than verification can use
@@ -140,10 +146,9 @@ class SpeculativeEngine:
         counted = self.prefetch not in ("none", "oracle")  # the oracle plans from a probe, not the ELB
         self.elb = ExpertLoadBuffer(self.layers, rt.om.num_experts, self.device) if counted else None
         self.cold = self.warm = self.planner.snapshot()
-        self.route_log = RouteLog()
         self.timer = StepTimer(self.device)
-        self.trace_windows = False  # True: record a WindowTracer per generate() (host-timed links)
-        self.tracer: WindowTracer | None = None
+        self.trace_windows = False  # True: record a WindowTracer per run (host-timed links)
+        self.begin_run()
 
     # ------------------------------------------------------------------------------ state
     def mark_warm(self) -> None:
@@ -157,159 +162,271 @@ class SpeculativeEngine:
         elif self.planner_state == "cold":
             self.planner.restore(self.cold)
 
-    # ------------------------------------------------------------------------------ forward
-    def _forward(self, ids: torch.Tensor, state: SequenceState, mode: str, host_compute: bool = False) -> torch.Tensor:
-        if mode == "draft":
-            return self.drafter.forward(ids, state, self.elb)  # [T, V]
-        verifying = state.committed_kv > 0  # the prefill runs the full router
-        with self.moe.mode("target", route_log=self.route_log, host_compute=host_compute,
-                           expert_filter=self.expert_filter if verifying else None, tracer=self.tracer):
-            return self.model(input_ids=ids, cache=state.cache, use_cache=True).logits[0]  # [T, V]
+    def begin_run(self, single: bool = False) -> None:
+        """Fresh run state: one request on the decode path's own cache (``single``), or batched rows."""
+        self.single = single
+        super().begin_run()
+        self.drafter.begin_run(self.device, self.max_holes)
+        self.trace = WindowTrace()
+        self.route_log = RouteLog()
+        self.tracer = WindowTracer() if self.trace_windows else None
+        self.verify_windows: list[int] = []
+        self.iterations = 0
+        self.busy0 = self.rt.link.busy_seconds
 
-    def _target(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        self.route_log.begin_window()
-        return self._forward(ids, state, "target")
+    def new_rows(self, entering: list[Request]):
+        if not self.single:
+            return super().new_rows(entering)
+        need = max((r.prompt_len + r.max_new_tokens for r in entering), default=0)
+        return SequenceKV(self.rt.forward_model, need + self.K + 2)  # room for the last window's K+1
 
-    # ------------------------------------------------------------------------------ generate
+    # the drafter keeps its per-row state in step with the target's rows
+    def _join(self, fresh, prompts: list[torch.Tensor]) -> None:
+        super()._join(fresh, prompts)
+        self.drafter.join(fresh, prompts)
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        super()._keep_rows(rows)
+        self.drafter.keep_rows(rows)
+
+    # ------------------------------------------------------------------------------ run
     @torch.inference_mode()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
                  clock: CommitClock | None = None) -> tuple[list[int], dict[str, Any]]:
-        clock = self.clock = clock or CommitClock()
-        state = SequenceState.new(self.model, prompt_ids.shape[1] + max_new_tokens + self.K + 2)
-        self.drafter.begin(prompt_ids)
-        trace = self.trace = WindowTrace()
-        self.route_log = RouteLog()
+        """One request (``prompt_ids [1, P]``): the B = 1 case of the window loop. Returns its tokens
+        and record columns (acceptance, I/O, prefetch scores)."""
+        self.begin_run(single=True)
+        req = self.submit(prompt_ids, max_new_tokens, generator, clock=clock)
+        self.run()
+        stats = {k: v for k, v in self.batch_stats().items() if k not in BATCH_ONLY}
+        return req.tokens[:max_new_tokens], {**stats, **req.stats}
+
+    @torch.inference_mode()
+    def run(self) -> list[Request]:
         link = self.rt.link
-        link0 = link.busy_seconds
-        tracer = self.tracer = WindowTracer() if self.trace_windows else None
-        link.observer = tracer.on_copy if tracer else None
+        link.observer = self.tracer.on_copy if self.tracer is not None else None
         try:
-            return self._generate(prompt_ids, max_new_tokens, generator, clock, state, trace, link, link0, tracer)
+            return super().run()
         finally:
             link.observer = None
 
-    def _generate(self, prompt_ids, max_new_tokens, generator, clock, state, trace, link, link0, tracer):
-        clock.start()
-        logits = self._target(prompt_ids, state)[-1]  # prefill: [V]
-        state.start(prompt_ids.shape[1], next_token(logits, self.params, generator))
-        clock.commit(1)
-        device = prompt_ids.device
-        while len(state.tokens) < max_new_tokens:
-            K = min(self.K, max_new_tokens - len(state.tokens) - 1)
-            last = torch.tensor([[state.last_token]], device=device)  # [1, 1]
-            if K == 0:  # one token left: a plain target step
-                tok = next_token(self._target(last, state)[-1], self.params, generator)
-                state.commit([], tok)
-                clock.commit(1)
-                continue
-            window0 = (link.bytes_copied, link.busy_seconds)
-            if tracer is not None:
-                tracer.begin_window({layer: self.cache.resident(layer) for layer in self.layers}, K)
-            t0 = time.perf_counter()
-            drafts, q = self._draft(state, last, K, generator, trace)  # [K], [K, V] | None
-            self.drafter.end_window(state)
-            t1 = time.perf_counter()
-            target_logits = self._target(torch.cat([last[0], drafts])[None], state)  # [K+1, V]
-            self.cache.release_prefetches()  # mispredicted prefetches give their slots back
-            self._score_prediction(trace)
-            a, tok = verify_window(drafts, q, target_logits, self.params, generator)
-            t2 = time.perf_counter()
-            state.commit(drafts[:a].tolist(), tok)
-            clock.commit(a + 1)
-            trace.drafted.append(K)
-            trace.accepted.append(a)
-            moved, busy = link.bytes_copied - window0[0], link.busy_seconds - window0[1]
-            trace.windows.append({"draft_s": t1 - t0, "verify_s": t2 - t1, "h2d_bytes": moved, "link_busy_s": busy})
-            if tracer is not None:
-                info = tracer.windows[-1]
-                info.draft_ms, info.verify_ms, info.accepted = (t1 - t0) * 1e3, (t2 - t1) * 1e3, a
-                info.used = {layer: set(e) for layer, e in self.route_log.windows[-1].items()}
-                tracer.span("draft", t0, t1)
-                tracer.span("verify", t1, t2)
-            if moved and busy > 0:  # the planner's bandwidth estimate follows the real link
-                self.planner.observe_transfer(moved, busy)
-        return state.tokens[:max_new_tokens], self._stats(trace, link.busy_seconds - link0)
+    def _target(self, rows, ids, mode, token_valid=None, host_compute=False):
+        flt = self.expert_filter if mode != "prefill" else None  # the prefill runs the full router
+        if token_valid is not None:
+            flt = padding_filter(token_valid, self.num_experts, flt)
+        if mode != "probe":  # a probe opens its own windows
+            self.route_log.begin_window()
+        tracer = self.tracer if mode != "probe" else None
+        with self.moe.mode("target", route_log=self.route_log, host_compute=host_compute, expert_filter=flt,
+                           tracer=tracer):
+            return rows.run(ids)  # [B, T, V]
+
+    # ------------------------------------------------------------------------------ one window
+    def _iterate(self) -> None:
+        reqs = self.active
+        limits = [min(self.K, r.remaining - 1) for r in reqs]  # K_b
+        Kb = max(limits)
+        last = self._last_tokens()  # [B, 1]
+        if Kb == 0:  # one token left everywhere: a plain target step
+            logits = self._target(self.kv, last, "verify")[:, -1]  # [B, V]
+            self.verify_windows.append(len(self.route_log.windows) - 1)
+            self._commit([0] * len(reqs), [next_token(logits[b], self.params, r.generator) for b, r in enumerate(reqs)],
+                         None)
+            return
+        link, tracer = self.rt.link, self.tracer
+        window0 = (link.bytes_copied, link.busy_seconds)
+        if tracer is not None:
+            tracer.begin_window({layer: self.cache.resident(layer) for layer in self.layers}, Kb)
+        t0 = time.perf_counter()
+        drafts, q = self._draft(last, Kb, limits)  # [B, Kb], [B, Kb, V] | None
+        self.drafter.end(self.kv)
+        t1 = time.perf_counter()
+        target_logits = self._target(self.kv, torch.cat([last, drafts], dim=1), "verify")  # [B, Kb+1, V]
+        self.verify_windows.append(len(self.route_log.windows) - 1)
+        self.cache.release_prefetches()  # mispredicted prefetches give their slots back
+        self._score_prediction()
+        accepted, tokens = self._verify(drafts, q, target_logits, limits)
+        t2 = time.perf_counter()
+        self._commit(accepted, tokens, drafts.tolist())
+        self.drafter.commit(accepted)
+        for b, req in enumerate(reqs):
+            if limits[b] > 0:
+                req.drafted.append(limits[b])
+                req.accepted.append(accepted[b])
+        self.trace.drafted.append(sum(limits))
+        self.trace.accepted.append(sum(accepted))
+        moved, busy = link.bytes_copied - window0[0], link.busy_seconds - window0[1]
+        self.trace.windows.append({"draft_s": t1 - t0, "verify_s": t2 - t1, "h2d_bytes": moved,
+                                   "link_busy_s": busy, "batch": len(reqs), "Kb": Kb})
+        if tracer is not None:
+            info = tracer.windows[-1]
+            info.draft_ms, info.verify_ms, info.accepted = (t1 - t0) * 1e3, (t2 - t1) * 1e3, sum(accepted)
+            info.used = {layer: set(e) for layer, e in self.route_log.windows[-1].items()}
+            tracer.span("draft", t0, t1)
+            tracer.span("verify", t1, t2)
+        if moved and busy > 0:  # the planner's bandwidth estimate follows the real link
+            self.planner.observe_transfer(moved, busy)
+        self.iterations += 1
+
+    def _verify(self, drafts, q, target_logits, limits: list[int]) -> tuple[list[int], list[int]]:
+        if self.params.greedy:
+            return greedy_verify_batch(drafts, target_logits, torch.tensor(limits, device=drafts.device))
+        accepted, tokens = [], []
+        for b, req in enumerate(self.active):  # each request's own generator, in the B=1 order
+            k = limits[b]
+            if k == 0:
+                a, tok = 0, next_token(target_logits[b, 0], self.params, req.generator)
+            else:
+                a, tok = verify_window(drafts[b, :k], q[b, :k], target_logits[b, : k + 1], self.params, req.generator)
+            accepted.append(a)
+            tokens.append(tok)
+        return accepted, tokens
 
     # ------------------------------------------------------------------------------ draft
-    def _draft(self, state: SequenceState, last: torch.Tensor, K: int, generator, trace: WindowTrace):
+    def _draft(self, last: torch.Tensor, Kb: int, limits: list[int]):
         planner = self.planner
-        self.drafter.begin_window(state)
-        planner.begin_window(K)
-        self._window_predicted: dict[int, set[int]] = defaultdict(set)
+        planner.begin_window(Kb)
+        self.window_predicted: dict[int, set[int]] = defaultdict(set)
         if self.prefetch == "oracle":
-            self._oracle_prefetch(state, last, K)
+            self._oracle_prefetch(last, Kb)
         tokens, qs = [], []
-        tok = last
+        tok = self.drafter.first_input(self.active, last)  # [B, T]
         self.timer.start()
-        for step in range(1, K + 1):
-            logits = self._forward(tok, state, "draft")[-1]  # [V]
-            d, q = draft_next(logits, self.params, generator)
+        for step in range(1, Kb + 1):
+            logits = self.drafter.step(tok, self.kv, self.elb)  # [B, V]
+            d, q = self._draft_sample(logits, step, limits)  # [B], [B, V] | None
             tokens.append(d)
             qs.append(q)
-            tok = d.view(1, 1)
+            tok = d[:, None]
             self.timer.lap()
             if self.elb is not None and planner.next_boundary == step:
                 for seconds in self.timer.harvest():
                     planner.observe_draft_step(seconds)
-                self._boundary(step, trace)
+                self._boundary(step)
         for seconds in self.timer.harvest():
             planner.observe_draft_step(seconds)
         if self.elb is not None:
             self.elb.clear()  # later evidence is discarded; nothing carries into the next window
-        trace.phases.extend((c.phase, c.start, c.end, c.batch) for c in planner.trace)
-        drafts = torch.stack(tokens)  # [K]
-        return drafts, (torch.stack(qs) if qs[0] is not None else None)
+        self.trace.phases.extend((c.phase, c.start, c.end, c.batch) for c in planner.trace)
+        drafts = torch.stack(tokens, dim=1)  # [B, Kb]
+        return drafts, (torch.stack(qs, dim=1) if qs[0] is not None else None)
 
-    def _boundary(self, step: int, trace: WindowTrace) -> None:
+    def _draft_sample(self, logits: torch.Tensor, step: int, limits: list[int]):
+        """Draft tokens ``[B]`` (and q ``[B, V]`` when sampling); a request past its K_b takes the
+        argmax without touching its generator (that position is never accepted)."""
+        if self.params.greedy:
+            return draft_next(logits, self.params)
+        toks, qs = [], []
+        for b, req in enumerate(self.active):
+            if step <= limits[b]:
+                d, q = draft_next(logits[b], self.params, req.generator)
+            else:
+                d, q = logits[b].argmax(), torch.zeros_like(logits[b], dtype=torch.float32)
+            toks.append(d.reshape(()))
+            qs.append(q)
+        return torch.stack(toks), torch.stack(qs)
+
+    def _boundary(self, step: int) -> None:
         """Snapshot the ELB's top-M plan and act on it (see `prefetch_at_boundary`)."""
         plan = self.elb.snapshot_plan(self.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
         for layer, experts in plan.items():
-            self._window_predicted[layer].update(experts)
+            self.window_predicted[layer].update(experts)
         t0 = time.perf_counter()
         before = self.rt.link.bytes_copied
-        trace.dropped_prefetches += prefetch_at_boundary(self.cache, self.planner, step, plan, self.plan_capacity)
+        self.trace.dropped_prefetches += prefetch_at_boundary(self.cache, self.planner, step, plan, self.plan_capacity)
         if self.tracer is not None:
             self.tracer.span("boundary", t0, time.perf_counter(), bytes=self.rt.link.bytes_copied - before,
                              phase=f"step {step}: {self.planner.trace[-1].phase}")
 
-    def _oracle_prefetch(self, state: SequenceState, last: torch.Tensor, K: int) -> None:
-        """Ablation upper bound: learn the target's true routes for this window with an untimed
-        greedy dry run from the host store, then prefetch the top-M of them."""
-        saved = self.route_log
-        self.route_log = RouteLog()
+    def _oracle_prefetch(self, last: torch.Tensor, Kb: int) -> None:
+        """Ablation upper bound: an untimed greedy dry run of Kb+1 steps from the host store learns the
+        target's true experts for every request; the top-M per layer (by steps using them) are prefetched."""
+        saved, self.route_log = self.route_log, RouteLog()
         start = time.perf_counter()
-        probe = SequenceState(state.cache, list(state.tokens), state.committed_kv)
         tok = last
-        for _ in range(K + 1):  # the K+1 verified positions of a fully accepted greedy window
+        for _ in range(Kb + 1):  # the Kb+1 verified positions of a fully accepted greedy window
             self.route_log.begin_window()  # one window per position: counts = positions using an expert
-            tok = self._forward(tok, probe, "target", host_compute=True)[-1].argmax().view(1, 1)
-        probe.discard_extension()
+            tok = self._target(self.kv, tok, "probe", host_compute=True)[:, -1].argmax(-1)[:, None]
+        self.kv.discard_pending()
         windows, self.route_log = self.route_log.windows, saved
-        self._prefetch_oracle_plan(oracle_plan(windows, self.plan_capacity))
-        self.clock.exclude(time.perf_counter() - start)  # the probe is not part of the measured run
-
-    def _prefetch_oracle_plan(self, plan: dict[int, list[int]]) -> None:
+        plan = oracle_plan(windows, self.plan_capacity)
         self.trace.dropped_prefetches += prefetch_plan(self.cache, plan)
         for layer, experts in plan.items():
-            self._window_predicted[layer] |= set(experts)
+            self.window_predicted[layer] |= set(experts)
+        spent = time.perf_counter() - start
+        for req in self.active:
+            req.clock.exclude(spent)  # the probe is not part of the measured run
 
-    def _score_prediction(self, trace: WindowTrace) -> None:
-        actual = self.route_log.windows[-1]
+    def _score_prediction(self) -> None:
+        actual, trace = self.route_log.windows[-1], self.trace
         for layer in self.layers:
-            pred, act = self._window_predicted.get(layer, set()), actual.get(layer, set())
+            pred, act = self.window_predicted.get(layer, set()), actual.get(layer, set())
             trace.predicted_hits += len(pred & act)
             trace.predicted += len(pred)
             trace.actual_capped += min(len(act), max(len(pred), self.plan_capacity[layer]))
 
     # ------------------------------------------------------------------------------ metrics
-    def _stats(self, trace: WindowTrace, link_busy_s: float) -> dict[str, Any]:
-        io = io_stats(self.cache, link_busy_s)
-        return {
-            "K": self.K,
-            **acceptance_stats(trace.drafted, trace.accepted),
-            **io,
-            "prefetch_precision": trace.predicted_hits / trace.predicted if trace.predicted else None,
-            "prefetch_recall": trace.predicted_hits / trace.actual_capped if trace.predicted and trace.actual_capped else None,
-            "dropped_prefetches": trace.dropped_prefetches,
-            "oracle_h2d_bytes": oracle_bytes(self.rt, self.route_log),
-        }
+    def request_stats(self, req: Request) -> dict[str, Any]:
+        """Per-request record columns: K and acceptance."""
+        return {"K": self.K, **acceptance_stats(req.drafted, req.accepted)}
+
+    def batch_stats(self) -> dict[str, Any]:
+        return speculative_run_stats([self])
+
+
+BATCH_ONLY = ("iterations", "kv_compactions", "distinct_experts_per_layer")  # run columns a single record omits
+
+
+def speculative_run_stats(engines: Sequence[SpeculativeEngine]) -> dict[str, Any]:
+    """Batch-level columns of one run decoded by `engines` over one runtime (one engine, or the
+    microbatches of `generate_microbatched`, which share one route log): I/O of the shared cache and
+    link, the working set over every verification, prefetch scores summed over the microbatches."""
+    first = engines[0]
+    traces = [e.trace for e in engines]
+    predicted, hits = sum(t.predicted for t in traces), sum(t.predicted_hits for t in traces)
+    capped = sum(t.actual_capped for t in traces)
+    return {
+        "K": first.K,
+        "iterations": sum(e.iterations for e in engines),
+        "kv_compactions": sum(e.kv.compactions for e in engines),
+        "distinct_experts_per_layer": working_set(first.route_log, sorted(w for e in engines for w in e.verify_windows),
+                                                  first.layers),
+        **io_stats(first.cache, first.rt.link.busy_seconds - first.busy0),
+        "prefetch_precision": hits / predicted if predicted else None,
+        "prefetch_recall": hits / capped if predicted and capped else None,
+        "dropped_prefetches": sum(t.dropped_prefetches for t in traces),
+        "oracle_h2d_bytes": oracle_bytes(first.rt, first.route_log),
+    }
+
+
+def generate_microbatched(engines: Sequence[SpeculativeEngine], prompts: list[torch.Tensor],
+                          max_new_tokens: int | list[int],
+                          generators: list[torch.Generator | None] | None = None) -> BatchRun:
+    """Decode the prompts as ``len(engines)`` microbatches over one runtime: contiguous slices of the
+    prompts, each on its own engine (its own KV, draft state, ELB and planner), taking windows in
+    turn on the one expert cache and link (SpecMoEOff's batched schedule: a microbatch's prefetches
+    may evict what the other one loaded). Outputs in prompt order; at temperature 0 each request's
+    tokens equal its B=1 output. Fewer prompts than engines use fewer microbatches."""
+    n = len(prompts)
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    gens = generators if generators is not None else [None] * n
+    if len(limits) != n or len(gens) != n:
+        raise ValueError("prompts, max_new_tokens and generators must have the same length")
+    if not engines or any(e.rt is not engines[0].rt for e in engines):
+        raise ValueError("microbatches need at least one engine, all over the same runtime")
+    bounds = [-(-i * n // len(engines)) for i in range(len(engines) + 1)]  # the first microbatches take the extra
+    parts = [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    used = list(engines[:len(parts)])
+    for engine in used:
+        engine.begin_run()
+    for engine in used[1:]:  # one log of verification windows in time order: one working set, one oracle
+        engine.route_log = used[0].route_log
+    reqs: list[Request] = [None] * n  # type: ignore[list-item]
+    for engine, part in zip(used, parts):
+        for i in part:
+            reqs[i] = engine.submit(prompts[i], limits[i], gens[i], rid=i)
+    while any(e.queue or e.active for e in used):
+        for engine in used:
+            if engine.queue or engine.active:
+                engine.step()
+    return BatchRun(reqs, {**speculative_run_stats(used), "microbatches": len(used)})

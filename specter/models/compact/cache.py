@@ -7,7 +7,7 @@ draft scratch or a rejected suffix for free. The buffers never move, which is wh
 CUDA graph needs.
 
 `get_seq_length()` and `crop(-n)` mirror the subset of transformers' `DynamicCache` that
-`specter.speculative.state.SequenceState` uses, so the same state manager can hold either cache.
+`specter.speculative.state.SequenceKV` uses, so the same single-request rows can hold either cache.
 """
 
 from __future__ import annotations
