@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError
+from specter.harness.methods import Method
 from specter.harness.runtime import device_and_dtype
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.sampling import SamplingParams
@@ -159,11 +160,14 @@ def _reference_server(checkpoint: str, dtype: str, device: str, threads: str) ->
         replies.write(json.dumps({"tokens": generate_autoregressive(model, ids, int(msg["n"]), SamplingParams())}) + "\n")
 
 
-def require_real_hardware(cfg: DictConfig) -> None:
-    """Engines place and move weights themselves: an emulated link would not be what they measure."""
-    if cfg.hardware.get("link") == "emulated":
-        raise ConfigError(f"method={cfg.method.name} runs its engine's own weight placement; hardware=emulated's "
-                          f"link does not apply to it: use hardware=cpu (or hardware=cuda)")
+class ExternalEngine(Method):
+    """A method whose engine places and moves the weights itself: an emulated link would not be what it measures."""
+
+    def __init__(self, cfg: DictConfig, checkpoint: Path):
+        if cfg.hardware.get("link") == "emulated":
+            raise ConfigError(f"method={cfg.method.name} runs its engine's own weight placement; hardware=emulated's "
+                              f"link does not apply to it: use hardware=cpu (or hardware=cuda)")
+        super().__init__(cfg, checkpoint)
 
 
 def reference_check_enabled(cfg: DictConfig, device: torch.device) -> bool:

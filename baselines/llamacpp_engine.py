@@ -29,17 +29,17 @@ import torch
 from omegaconf import DictConfig
 
 from baselines.common import (
+    ExternalEngine,
     EngineUnavailable,
     PeakMemory,
     ReferenceTokens,
     agreement,
     reference_check_enabled,
-    require_real_hardware,
     seed_of,
 )
 from baselines.gguf_export import GGUF_TYPES, cached_gguf, iter_layers, not_comparable_reason, tensor_bytes
 from specter.harness.config import ConfigError
-from specter.harness.methods import Generation, Method
+from specter.harness.methods import Generation
 from specter.harness.runtime import budget_bytes
 from specter.models.facts import read_config
 from specter.metrics import CommitClock
@@ -124,13 +124,12 @@ def _import_llama_cpp():
     return llama_cpp
 
 
-class LlamaCpp(Method):
+class LlamaCpp(ExternalEngine):
     """llama.cpp decoding of the GGUF export, N layers on the GPU and the rest on the CPU."""
 
     name = "llamacpp"
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
-        require_real_hardware(cfg)
         super().__init__(cfg, checkpoint)
         llama_cpp = _import_llama_cpp()
         m = cfg.method

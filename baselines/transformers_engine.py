@@ -21,15 +21,15 @@ import torch
 from omegaconf import DictConfig
 
 from baselines.common import (
+    ExternalEngine,
     PeakMemory,
     ReferenceTokens,
     agreement,
     checkpoint_bytes,
     reference_check_enabled,
-    require_real_hardware,
     seed_of,
 )
-from specter.harness.methods import Generation, Method
+from specter.harness.methods import Generation
 from specter.harness.runtime import budget_bytes
 from specter.metrics import CommitClock
 
@@ -55,13 +55,12 @@ class CommitStreamer:
         pass
 
 
-class TransformersEngine(Method):
+class TransformersEngine(ExternalEngine):
     """The checkpoint through transformers' `generate`, offloaded by accelerate on CUDA."""
 
     name = "transformers"
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
-        require_real_hardware(cfg)
         super().__init__(cfg, checkpoint)
         from transformers import AutoModelForCausalLM
 

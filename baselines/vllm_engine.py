@@ -31,16 +31,16 @@ from typing import Any
 from omegaconf import DictConfig
 
 from baselines.common import (
+    ExternalEngine,
     EngineUnavailable,
     ReferenceTokens,
     agreement,
     checkpoint_bytes,
     reference_check_enabled,
-    require_real_hardware,
     seed_of,
 )
 from specter.harness.config import ConfigError
-from specter.harness.methods import Generation, Method
+from specter.harness.methods import Generation
 from specter.harness.runtime import budget_bytes
 from specter.metrics import CommitClock
 from specter.paths import safe_name, specter_home
@@ -146,13 +146,12 @@ def vllm_checkpoint(checkpoint: Path, label: str) -> Path:
     return view
 
 
-class Vllm(Method):
+class Vllm(ExternalEngine):
     """vLLM's engine in a worker process; per-token stamps come back over the pipe."""
 
     name = "vllm"
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
-        require_real_hardware(cfg)
         super().__init__(cfg, checkpoint)
         m = cfg.method
         python = vllm_python(cfg)

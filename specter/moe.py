@@ -142,14 +142,6 @@ class MoERuntime:
         self._seen = NO_OBSERVERS
 
     @property
-    def cache(self) -> ExpertCache:
-        return self.target.cache
-
-    @property
-    def schedule(self) -> str:
-        return self.target.schedule
-
-    @property
     def current(self) -> Mode:
         return "draft" if self._active is self.draft else "target"
 

@@ -109,3 +109,14 @@ def test_one_default_job(monkeypatch, capsys):
     assert run_entry._with_default_job(["--cfg", "job"]) == ["--cfg", "job", "experiment=compare"]
     assert run_entry._with_default_job(["--cfg", "job", "model=tiny_phi"]) == ["--cfg", "job", "model=tiny_phi"]
     assert run_entry._with_default_job(["--help"]) == ["--help"]
+
+
+def test_every_experiment_runner_resolves():
+    """Each registered runner names a function that exists (runners are imported only when they run)."""
+    import importlib
+
+    from specter.harness.experiments import EXPERIMENTS
+
+    for kind, runner in EXPERIMENTS.items():
+        module, name = runner.__qualname__.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(module), name)), kind

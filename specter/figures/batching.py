@@ -31,19 +31,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from specter.figures.common import (
-    Output,
-    Skip,
-    legend_above,
-    method_colors,
-    method_label,
-    model_label,
-    order_datasets,
-    order_methods,
-    order_models,
-    style_axes,
-    subplots,
-)
+from specter.figures.common import (Output, Skip, legend_above, method_colors, method_label, model_label,
+    order_datasets, order_methods, order_models, style_axes, subplots)
 from specter.figures import tpot_grid
 from specter.figures.data import ResultSet
 from specter.figures.tpot_grid import HARDWARE_TITLES

@@ -13,20 +13,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from specter.figures.common import (
-    REAL_OF_TINY,
-    Output,
-    Skip,
-    legend_above,
-    method_colors,
-    method_label,
-    model_label,
-    order_methods,
-    order_models,
-    order_tiers,
-    style_axes,
-    subplots,
-)
+from specter.figures.common import (REAL_OF_TINY, Output, Skip, legend_above, method_colors, method_label,
+    model_label, order_methods, order_models, order_tiers, style_axes, subplots)
 from specter.figures.data import ResultSet
 
 NAME = "fig_load_ratio"

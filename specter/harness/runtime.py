@@ -221,7 +221,7 @@ def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None =
     old = rt.cache
     cache = old if (resident, staging) == (rt.resident, old.staging) else ExpertCache(
         old.store, rt.link, {layer: resident for layer in old.layers}, old.device, old.dtype, staging=staging)
-    moe = MoERuntime(TargetExecutor(cache, rt.moe.schedule),
+    moe = MoERuntime(TargetExecutor(cache, rt.moe.target.schedule),
                      DraftExecutor(draft, draft_forward) if draft else None).attach(rt.om.experts.values())
     sep = separate_draft or {}
     footprint = replace(rt.footprint, cache_slots=cache.slot_bytes(), staging=cache.staging_bytes(),

@@ -51,73 +51,30 @@ _COMMON = dict(
     pad_token_id=1,
     tie_word_embeddings=False,
     rms_norm_eps=1e-6,
+    num_hidden_layers=4,
+    intermediate_size=256,  # dense MLPs; in Phi the experts (~9x a DeepSeek expert: larger here too)
+    num_attention_heads=2,
 )
 
-TINY_SPECS: dict[str, TinySpec] = {
-    "tiny_dsv2": TinySpec(
-        name="tiny_dsv2",
-        real="deepseek-ai/DeepSeek-V2-Lite",
-        model_type="deepseek_v2",
-        seed=1,
-        config_kwargs=dict(
-            _COMMON,
-            num_hidden_layers=4,
-            first_k_dense_replace=1,  # layer 0 is dense, as in DeepSeek-V2-Lite
-            intermediate_size=256,
-            moe_intermediate_size=128,
-            n_routed_experts=64,
-            num_experts_per_tok=6,
-            n_shared_experts=2,
-            topk_method="greedy",
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            kv_lora_rank=64,
-            q_lora_rank=64,  # llama.cpp only treats 26/27-layer models as "lite" (no q_lora)
-            qk_rope_head_dim=32,
-            qk_nope_head_dim=32,
-            v_head_dim=64,
-            head_dim=64,
-        ),
-    ),
-    "tiny_qwen": TinySpec(
-        name="tiny_qwen",
-        real="Qwen/Qwen1.5-MoE-A2.7B",
-        model_type="qwen2_moe",
-        seed=2,
-        config_kwargs=dict(
-            _COMMON,
-            num_hidden_layers=4,
-            intermediate_size=256,
-            moe_intermediate_size=128,
-            shared_expert_intermediate_size=256,
-            num_experts=60,
-            num_experts_per_tok=4,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        ),
-    ),
-    "tiny_phi": TinySpec(
-        name="tiny_phi",
-        real="microsoft/Phi-3.5-MoE-instruct",
-        model_type="phimoe",
-        seed=3,
-        config_kwargs=dict(
-            _COMMON,
-            num_hidden_layers=4,
-            intermediate_size=256,  # Phi experts are ~9x a DeepSeek expert; keep them larger here too
-            num_local_experts=16,
-            num_experts_per_tok=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,  # grouped-query attention
-            router_jitter_noise=0.01,
-            input_jitter_noise=0.0,
-        ),
-    ),
-}
+def _tiny(name: str, real: str, model_type: str, seed: int, **config: Any) -> TinySpec:
+    return TinySpec(name, real, model_type, dict(_COMMON, **config), seed)
+
+
+TINY_SPECS: dict[str, TinySpec] = {spec.name: spec for spec in (
+    _tiny("tiny_dsv2", "deepseek-ai/DeepSeek-V2-Lite", "deepseek_v2", seed=1,
+          first_k_dense_replace=1,  # layer 0 is dense, as in DeepSeek-V2-Lite
+          moe_intermediate_size=128, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+          topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0, num_key_value_heads=2,
+          kv_lora_rank=64, q_lora_rank=64,  # llama.cpp only treats 26/27-layer models as "lite" (no q_lora)
+          qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, head_dim=64),
+    _tiny("tiny_qwen", "Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe", seed=2,
+          moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=60, num_experts_per_tok=4,
+          norm_topk_prob=False, decoder_sparse_step=1, num_key_value_heads=2),
+    _tiny("tiny_phi", "microsoft/Phi-3.5-MoE-instruct", "phimoe", seed=3,
+          num_local_experts=16, num_experts_per_tok=2,
+          num_key_value_heads=1,  # grouped-query attention
+          router_jitter_noise=0.01, input_jitter_noise=0.0),
+)}
 
 # sha256 over (name, dtype, shape, bytes) of every tensor, in sorted name order; see `weights_digest`.
 TINY_WEIGHT_SHA256: dict[str, str] = json.loads(

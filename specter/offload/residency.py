@@ -41,16 +41,8 @@ def _acquire_or_free(cache: ExpertCache, uid: ExpertUID) -> SlotHandle | None:
     return handle
 
 
-def expert_wise_moe(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    layer: int,
-    cache: ExpertCache,
-    act_fn: ActFn,
-    on_expert: OnExpert | None = None,
-    tracer=None,
-) -> torch.Tensor:
+def expert_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, layer: int, cache: ExpertCache,
+                    act_fn: ActFn, on_expert: OnExpert | None = None, tracer=None) -> torch.Tensor:
     """Routed-expert output ``[T,H]`` of ``x [T,H]`` for ``topk_idx/topk_w [T,k]`` through the cache.
 
     ``tracer`` (a `specter.speculative.trace.WindowTracer`) receives each expert's wait and compute spans.
@@ -124,15 +116,8 @@ def expert_wise_moe(
     return final
 
 
-def token_wise_moe(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    layer: int,
-    cache: ExpertCache,
-    act_fn: ActFn,
-    on_expert: OnExpert | None = None,
-) -> torch.Tensor:
+def token_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, layer: int, cache: ExpertCache,
+                   act_fn: ActFn, on_expert: OnExpert | None = None) -> torch.Tensor:
     """Token-at-a-time execution (what autoregressive offloading does): each token loads
     and runs its own experts. Same result as ``expert_wise_moe`` up to GEMM rounding;
     each token's experts are summed in ascending id like the reference."""

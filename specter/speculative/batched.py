@@ -246,7 +246,7 @@ class BatchedAutoregressive(BatchLoop):
         self.route_log = RouteLog()
         self.step_windows: list[int] = []  # route-log windows of decode steps (not prefills)
         self.iterations = 0
-        self.busy0 = self.moe.cache.link.busy_seconds if self.moe is not None else 0.0
+        self.busy0 = self.moe.target.cache.link.busy_seconds if self.moe is not None else 0.0
 
     def _target(self, rows, ids, mode, token_valid=None, host_compute=False):
         if self.moe is None:
@@ -271,6 +271,7 @@ class BatchedAutoregressive(BatchLoop):
         stats: dict[str, Any] = {"iterations": self.iterations, "kv_compactions": self.kv.compactions}
         if self.moe is None:
             return stats
-        stats["distinct_experts_per_layer"] = working_set(self.route_log, self.step_windows, self.moe.cache.layers)
-        stats.update(io_stats(self.moe.cache, self.moe.cache.link.busy_seconds - self.busy0))
+        cache = self.moe.target.cache
+        stats["distinct_experts_per_layer"] = working_set(self.route_log, self.step_windows, cache.layers)
+        stats.update(io_stats(cache, cache.link.busy_seconds - self.busy0))
         return stats
