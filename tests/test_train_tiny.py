@@ -104,3 +104,42 @@ def test_built_trained_models_match_their_pinned_digest(name):
         assert report["weights_sha256"] == pinned
     assert all(report["gates"]["passed"].values())
     assert tiny_train.trained_problem(out) is None
+
+
+def _fake_runs(monkeypatch, tmp_path, passes: list[bool]) -> list[int]:
+    """`train` over fake training runs whose gates pass as listed; returns the step counts it ran."""
+    runs: list[int] = []
+    monkeypatch.setattr(tiny, "ensure_tiny", lambda name, root=None: tmp_path / "random")
+
+    def once(name, steps, seed, src, out, progress):
+        runs.append(steps)
+        tmp = out.with_name(out.name + ".partial")
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "steps").write_text(str(steps))
+        ok = passes[len(runs) - 1]
+        return tmp, {"weights_sha256": "x", "pinned_sha256": None, "loss_last_25": 4.0,
+                     "greedy_after": {"repeat_within_4": 0.3 if ok else 0.7, "distinct_2gram_ratio": 0.2},
+                     "gates": {"passed": {"loss": True, "repeat_within_4": ok}}}
+
+    monkeypatch.setattr(tiny_train, "_train_once", once)
+    return runs
+
+
+def test_a_default_training_missing_its_gates_is_run_again_for_longer(monkeypatch, tmp_path):
+    runs = _fake_runs(monkeypatch, tmp_path, [False, True])
+    out = tiny_train.train(NAME, root=tmp_path, log=lambda msg: None)
+    n = tiny_train.DEFAULT_STEPS[NAME]
+    assert runs == [n, round(n * tiny_train.LONGER[0])] and (out / "steps").read_text() == str(runs[-1])
+
+
+def test_a_training_missing_its_gates_on_every_try_is_rejected(monkeypatch, tmp_path):
+    runs = _fake_runs(monkeypatch, tmp_path, [False] * 3)
+    with pytest.raises(tiny_train.TrainingRejected, match="repeat_within_4 after"):
+        tiny_train.train(NAME, root=tmp_path, log=lambda msg: None)
+    assert len(runs) == 1 + len(tiny_train.LONGER)
+    out = tiny.tiny_dir(NAME, trained=True, root=tmp_path)
+    assert not out.exists() and out.with_name(out.name + ".rejected").is_dir()
+    runs.clear()
+    with pytest.raises(tiny_train.TrainingRejected):  # explicit steps: one try
+        tiny_train.train(NAME, steps=7, root=tmp_path, log=lambda msg: None)
+    assert runs == [7]

@@ -96,22 +96,51 @@ def greedy_stats(model, tokenizer, prompts=EVAL_PROMPTS, new_tokens: int = EVAL_
     return {"repeat_within_4": repeats / total, "distinct_2gram_ratio": distinct2 / n2}
 
 
+LONGER = (1.5, 2.0)  # step multiples a default training is retried with when it misses a gate
+
+
 def train(name: str, steps: int | None = None, root: Path | None = None, progress: bool = True,
           log: Callable[[str], None] | None = None) -> Path:
     """Train `name` for `steps` (default `DEFAULT_STEPS[name]`) and install it as `<name>-trained`.
 
-    Raises `TrainingRejected` (leaving the model in `<name>-trained.rejected`) when a gate is missed.
+    A CPU kind with other float rounding can leave the default recipe short of the gates (tiny_dsv2
+    on AVX-512 at 640 steps: loss 4.36 but greedy repeat-within-4 0.72; at 960 steps 4.01 and
+    0.17), so a default training that misses one is run again from the random checkpoint for
+    `LONGER` times the steps, same seed; the report records the steps that passed. An explicit
+    `steps` is tried once. Raises `TrainingRejected` (leaving the last model in
+    `<name>-trained.rejected`) when every try misses.
     """
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    steps = DEFAULT_STEPS[name] if steps is None else int(steps)
-    if steps < 1:
+    if steps is not None and int(steps) < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    seed = tiny.TINY_SPECS[name].seed
+    tries = [int(steps)] if steps is not None else [round(DEFAULT_STEPS[name] * f) for f in (1, *LONGER)]
     src = tiny.ensure_tiny(name, root=root)
     out = tiny.tiny_dir(name, trained=True, root=root)
+    for i, n in enumerate(tries):
+        tmp, report = _train_once(name, n, tiny.TINY_SPECS[name].seed, src, out, progress)
+        pinned = report["pinned_sha256"]
+        if pinned and pinned != report["weights_sha256"]:
+            log(f"note: trained {name} differs from the pinned weights (sha256 {report['weights_sha256'][:12]} vs "
+                f"{pinned[:12]}); expected only with a different torch version or CPU kind")
+        missed = ", ".join(k for k, ok in report["gates"]["passed"].items() if not ok)
+        if not missed:
+            tiny.replace_dir(tmp, out)
+            return out
+        summary = (f"{missed} after {n} steps: loss {report['loss_last_25']:.2f}, repeat-within-4 "
+                   f"{report['greedy_after']['repeat_within_4']:.2f}, distinct 2-grams "
+                   f"{report['greedy_after']['distinct_2gram_ratio']:.2f}")
+        if i + 1 < len(tries):
+            log(f"note: trained {name} missed its quality gates ({summary}); training again for {tries[i + 1]} steps")
+    rejected = out.with_name(out.name + ".rejected")
+    shutil.rmtree(rejected, ignore_errors=True)
+    tmp.rename(rejected)
+    raise TrainingRejected(f"trained {name} missed its quality gates ({summary}); left in {rejected}, not installed")
+
+
+def _train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress: bool) -> tuple[Path, dict]:
+    """One training run from the random checkpoint `src`, written to `<out>.partial` with its report."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)  # a fixed reduction order: the same bytes on any core count
@@ -156,31 +185,18 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
 
-    pinned = tiny.trained_pin(name) if steps == DEFAULT_STEPS[name] else None
+    default = steps == DEFAULT_STEPS[name]
     report = {
         "name": name, "steps": steps, "seed": seed, "seq_len": SEQ_LEN, "batch": BATCH, "lr": LR,
         "torch": torch.__version__, "cpu_kind": tiny.cpu_kind(),
         "loss_first_25": sum(losses[:25]) / len(losses[:25]), "loss_last_25": loss_last,
         "greedy_before": before, "greedy_after": after,
         "gates": {"thresholds": GATES.__dict__, "passed": gates},
-        "weights_sha256": digest, "pinned_sha256": pinned, "files": tiny.file_sha256s(tmp),
+        "weights_sha256": digest, "pinned_sha256": tiny.trained_pin(name) if default else None,
+        "files": tiny.file_sha256s(tmp),
     }
     atomic_write_text(tmp / "specter_trained.json", json.dumps(report, indent=1))
-    if pinned and pinned != digest:
-        log(f"note: trained {name} differs from the pinned weights (sha256 {digest[:12]} vs {pinned[:12]}); "
-            f"expected only with a different torch version or CPU kind")
-    if not all(gates.values()):
-        rejected = out.with_name(out.name + ".rejected")
-        shutil.rmtree(rejected, ignore_errors=True)
-        tmp.rename(rejected)
-        missed = ", ".join(k for k, ok in gates.items() if not ok)
-        raise TrainingRejected(
-            f"trained {name} missed its quality gates ({missed}: loss {loss_last:.2f}, "
-            f"repeat-within-4 {after['repeat_within_4']:.2f}, distinct 2-grams {after['distinct_2gram_ratio']:.2f}); "
-            f"left in {rejected}, not installed"
-        )
-    tiny.replace_dir(tmp, out)
-    return out
+    return tmp, report
 
 
 def trained_problem(folder: Path) -> str | None:
