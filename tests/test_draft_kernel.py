@@ -181,3 +181,22 @@ def test_fused_on_cuda_matches_cpu_reference(dtype: torch.dtype) -> None:
         ref = draft_moe_reference(x, idx, w, gu, dn, F.silu)
         out = draft_moe_fused(x.cuda(), idx.cuda(), w.cuda(), gu_d, dn_d, F.silu)
         assert_matches(out.cpu(), ref)
+
+
+def test_one_token_routes_equal_the_dense_routes() -> None:
+    """The one-token shortcut of the CPU int4mm path gives `dense_routes`' experts and weights exactly,
+    and declines what it does not cover (several tokens, a repeated or out-of-range expert)."""
+    from specter.kernels.draft_moe import dense_routes, one_token_routes
+
+    g = torch.Generator().manual_seed(3)
+    for e, k in [(4, 1), (16, 2), (60, 4), (64, 6), (8, 8)]:
+        for _ in range(20):
+            idx = torch.randperm(e, generator=g)[:k][None]  # [1, k] distinct
+            w = torch.rand(1, k, generator=g, dtype=torch.bfloat16)
+            active, dense_w, routed = dense_routes(idx, w, e)
+            fast = one_token_routes(idx, w, e)
+            assert fast is not None and fast[2] is None and bool(routed.all())
+            assert torch.equal(fast[0], active) and torch.equal(fast[1], dense_w)
+    assert one_token_routes(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2), 8) is None
+    assert one_token_routes(torch.tensor([[2, 2]]), torch.ones(1, 2), 8) is None
+    assert one_token_routes(torch.tensor([[1, 8]]), torch.ones(1, 2), 8) is None
