@@ -414,7 +414,8 @@ def test_batched_draft_step_kernel_matches_reference(dtype):
         w = torch.rand(T, k, generator=g)
         ref = draft_moe_reference(x, idx, w, gate_up, down, act).float()
         out = draft_forward(x, idx, w, draft, act).float()
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        # one token runs the int4mm path, whose GEMMs compute in bf16 (draft_moe.INT4MM_COMPUTE)
+        tol = 1e-5 if dtype == torch.float32 and T > 1 else 2e-2
         assert ((out - ref).norm() / ref.norm()).item() < tol, T
 
 
