@@ -77,12 +77,6 @@ class SequenceKV:
         self.committed += k
         self.discard_pending()
 
-    def uncommit_last(self) -> None:
-        """Forget the last committed position (the next forward recomputes it)."""
-        self.discard_pending()
-        self.cache.crop(-1)
-        self.committed -= 1
-
     def select(self, rows: list[int]) -> None:
         """``[]``: the request left; ``[0]``: it stays."""
         if not rows:
