@@ -14,6 +14,7 @@ requests (docs/serving.md). Errors a user can fix are one line with exit status 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -212,9 +213,16 @@ def serve_main(argv: list[str]) -> int:
         parts = make_server(served, args.host, args.port, args.max_queue, args.drain_timeout, log_level="info")
         print(f"specter serve: {served.name} ({served.method.name}, {served.cfg.memory.name} tier, batch up to "
               f"{served.max_batch}, queue {args.max_queue}) on http://{args.host}:{args.port}/v1", flush=True)
-        parts.server.run()  # SIGTERM/SIGINT: stop accepting, finish in-flight requests, exit
+        stopped: list[int] = []
+        # uvicorn handles SIGTERM/SIGINT while it runs (stop accepting, finish in-flight requests, drain the
+        # engine), then raises the signal again under the handler it found: this one, so the runtime is
+        # closed below and the exit status is 0 instead of death by the signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stopped.append(signum))
+        parts.server.run()
     finally:
         served.close()
+    print(f"specter serve: stopped{' on ' + signal.Signals(stopped[0]).name if stopped else ''}", flush=True)
     return 0
 
 

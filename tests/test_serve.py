@@ -324,3 +324,47 @@ def test_target_only_serves_the_same_tokens(specter_server, reference):
                 assert out.choices[0].model_extra["token_ids"] == reference(p, 12)
     finally:
         served.close()
+
+
+# ---------------------------------------------------------------------------------- the command
+def test_serve_command_binds_loopback_and_sigterm_drains(specter_server):
+    """`specter serve` in its own process: SIGTERM lets an in-flight stream finish, then the process exits 0."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specter.cli", "serve", *SPECTER, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+                time.sleep(0.2)
+        n = specter_server[1].context_length - 8
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt=[3, 4, 5], max_tokens=n, stream=True, extra_body=EXTRA)
+        ids, reasons = [], []
+        for chunk in stream:
+            if not ids:
+                proc.send_signal(signal.SIGTERM)  # mid-stream
+            ids.extend(chunk.choices[0].model_extra["token_ids"])
+            reasons.append(chunk.choices[0].finish_reason)
+        assert len(ids) == n and reasons[-1] == "length"  # drained, not cut off
+        assert proc.wait(timeout=60) == 0
+        out = proc.stdout.read()
+        assert f"http://127.0.0.1:{port}/v1" in out and "Traceback" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
