@@ -368,3 +368,20 @@ def test_serve_command_binds_loopback_and_sigterm_drains(specter_server):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_engine_never_imports_the_http_layer():
+    """The decoders and the harness know nothing of serving: no import of specter.serve, fastapi or uvicorn."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "specter"
+    for path in root.rglob("*.py"):
+        if path.is_relative_to(root / "serve") or path.name == "cli.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert not name.startswith(("specter.serve", "specter.cli", "fastapi", "uvicorn", "starlette")), \
+                    f"{path} imports {name}"
