@@ -128,6 +128,20 @@ class BatchLoop:
             self._iterate()
         return self._retire()
 
+    def cancel(self, req: Request) -> bool:
+        """Drop ``req`` between steps (its caller is gone): a queued request never runs, an active
+        one's rows leave the batch now. False when it is neither queued nor active (finished)."""
+        for i, (queued, _) in enumerate(self.queue):
+            if queued is req:
+                del self.queue[i]
+                return True
+        rows = [b for b, r in enumerate(self.active) if r is not req]  # identity: Requests compare by value
+        if len(rows) == len(self.active):
+            return False
+        self._keep_rows(rows)
+        self.active = [self.active[b] for b in rows]
+        return True
+
     @torch.inference_mode()
     def run(self) -> list[Request]:
         """Step until every submitted request is finished."""

@@ -1,0 +1,230 @@
+"""`specter generate` and `specter serve`: the engine for use, not only for measurement.
+
+    specter generate model=tiny_dsv2 memory=low method=specter prompt="def fib(n):" max_new_tokens=64
+    specter generate model=dsv2 model.local_dir=/models/dsv2 prompt="..." temperature=0.7 seed=3
+    specter serve model=tiny_dsv2 model.trained=true memory=low --port 8000
+    specter serve model=dsv2 model.local_dir=/models/dsv2 --host 127.0.0.1 --max-queue 128
+
+Both take the config groups of `python run.py` (model, memory, method, hardware and every key=value
+override) and build one Method as a run does. `generate` streams the text to stdout as tokens
+commit and prints one line of statistics on stderr; `serve` answers OpenAI-compatible HTTP
+requests (docs/serving.md). Errors a user can fix are one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+GENERATE_KEYS = ("prompt", "ignore_eos")  # generate's own keys; every other key=value is a config override
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = {"generate": generate_main, "serve": serve_main}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"specter: error: unknown command {argv[0]!r}; choose generate or serve", file=sys.stderr)
+        return 2 if argv and argv[0] not in ("-h", "--help") else 0
+    return _guarded(commands[argv[0]], argv[1:])
+
+
+def _guarded(command, argv: list[str]) -> int:
+    """Run a command: a user error is one line and status 2, an interrupt status 130."""
+    from specter.harness.config import ConfigError
+    from specter.harness.errors import USER_ERRORS, disk_error, report
+
+    try:
+        return command(argv)
+    except USER_ERRORS as err:
+        report(err)
+        return 2
+    except OSError as err:
+        user = disk_error(err)
+        if user is None:
+            raise
+        report(user)
+        return 2
+    except ConfigError as err:
+        report(err)
+        return 2
+    except KeyboardInterrupt:
+        print("specter: interrupted", file=sys.stderr)
+        return 130
+
+
+def split_overrides(argv: list[str], own: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """(config overrides, the command's own key=value settings)."""
+    from specter.harness.config import ConfigError
+
+    overrides, settings = [], {}
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq:
+            raise ConfigError(f"expected key=value, got {arg!r}")
+        if key in own:
+            settings[key] = value
+        else:
+            overrides.append(arg)
+    return overrides, settings
+
+
+def _flag(settings: dict[str, str], key: str) -> bool:
+    from specter.harness.config import ConfigError
+
+    value = settings.get(key, "false").strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigError(f"{key} must be true or false, got {settings[key]!r}")
+    return value in ("true", "1", "yes")
+
+
+# ---------------------------------------------------------------------------------- generate
+def generate_main(argv: list[str]) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from specter.harness.config import ConfigError
+    from specter.harness.runtime import model_checkpoint
+    from specter.serve.build import compose_checked, load
+    from specter.serve.loop import batch_loop
+
+    overrides, settings = split_overrides(argv, GENERATE_KEYS)
+    if not settings.get("prompt"):
+        raise ConfigError('generate needs a prompt: prompt="def fib(n):"')
+    ignore_eos = _flag(settings, "ignore_eos")
+    cfg = compose_checked(overrides)
+    tokenizer = AutoTokenizer.from_pretrained(model_checkpoint(cfg))
+    ids = tokenizer(settings["prompt"], add_special_tokens=False).input_ids
+    if not ids:
+        raise ConfigError("the prompt has no tokens")
+    # the whole prompt is decoded (run.py truncates to prefix_tokens): the decoders size their caches from it
+    served = load([*overrides, f"prefix_tokens={max(len(ids), int(cfg.prefix_tokens))}"], max_batch=1)
+    try:
+        method = served.method
+        try:
+            loop = batch_loop(method, method.params)
+        except ConfigError:
+            loop = None  # a method without a request loop: its output is printed when it finishes
+        stop = set() if ignore_eos else {t for t in [tokenizer.eos_token_id] if t is not None}
+        prompt = torch.tensor(ids, device=method.device)  # [P]
+        stats = _stream(served, loop, prompt, int(served.cfg.max_new_tokens), stop) if loop is not None else \
+            _whole(served, prompt, int(served.cfg.max_new_tokens))
+    finally:
+        served.close()
+    print(stats, file=sys.stderr, flush=True)
+    return 0
+
+
+def _io_now(method) -> tuple[int, int, int]:
+    rt = getattr(method, "rt", None)
+    if rt is None:
+        return 0, 0, 0
+    c = rt.cache.snapshot_counters()
+    return int(rt.link.bytes_copied), int(c["demand_hits"]), int(c["demand_misses"])
+
+
+def _stream(served, loop, prompt, max_new: int, stop: set[int]) -> str:
+    """Decode one request through the batched request loop, printing text as each window commits."""
+    from specter.serve.text import TextStream
+    from specter.speculative.engine import acceptance_stats
+    from specter.speculative.sampling import make_generator
+
+    method = served.method
+    text = TextStream(served.tokenizer)
+    io0 = _io_now(method)
+    req = loop.submit(prompt, max_new, make_generator(method.device, int(served.cfg.seed)))
+    sent, windows, ended = 0, 0, "length"
+    t0 = time.perf_counter()
+    while loop.queue or loop.active:
+        loop.step()
+        windows += 1
+        new = req.tokens[sent:max_new]
+        cut = next((i for i, t in enumerate(new) if t in stop), None)
+        if cut is not None:
+            new, ended = new[:cut], "eos"
+        sent += len(new)
+        sys.stdout.write(text.push(new, final=cut is not None or sent >= max_new))
+        sys.stdout.flush()
+        if cut is not None:
+            loop.cancel(req)
+            break
+    wall = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    io1 = _io_now(method)
+    acc = acceptance_stats(req.drafted, req.accepted)
+    return _stats_line(method.name, sent, ended, req.clock.latency()["tpot_ms"], sent / windows if windows else None,
+                       acc["acceptance_alpha"] if req.drafted else None, io1[0] - io0[0], io1[1] - io0[1],
+                       io1[2] - io0[2], getattr(method, "rt", None) is not None, wall)
+
+
+def _whole(served, prompt, max_new: int) -> str:
+    """A method with no request loop: its `generate`, printed when it returns."""
+    from specter.speculative.sampling import make_generator
+
+    method = served.method
+    t0 = time.perf_counter()
+    gen = method.generate(prompt[None], max_new, make_generator(method.device, int(served.cfg.seed)))
+    wall = time.perf_counter() - t0
+    print(served.tokenizer.decode(gen.tokens, skip_special_tokens=True), flush=True)
+    s = gen.stats
+    windows = s.get("iterations")
+    return _stats_line(method.name, len(gen.tokens), "length", gen.clock.latency()["tpot_ms"],
+                       len(gen.tokens) / windows if windows else None, s.get("acceptance_alpha"), s.get("h2d_bytes"),
+                       s.get("demand_hits"), s.get("demand_misses"), "h2d_bytes" in s, wall)
+
+
+def _stats_line(method: str, n: int, ended: str, tpot_ms, per_window, alpha, h2d, hits, misses, offloads: bool,
+                wall_s: float) -> str:
+    def f(v, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lookups = (hits or 0) + (misses or 0)
+    parts = [f"{method}: {n} tokens ({ended}) in {wall_s:.2f} s", f"TPOT {f(tpot_ms, '.2f')} ms",
+             f"{f(per_window, '.2f')} tokens/window", f"acceptance α {f(alpha, '.3f')}",
+             f"H2D {f(h2d / n / 1024 if offloads and h2d is not None and n else None, '.1f')} KiB/token",
+             f"expert hit rate {f(hits / lookups if offloads and lookups else None, '.3f')}"]
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------- serve
+def serve_main(argv: list[str]) -> int:
+    from specter.harness.config import ConfigError
+    from specter.serve.build import MAX_BATCH, load
+    from specter.serve.server import make_server
+
+    parser = argparse.ArgumentParser(prog="specter serve", description="OpenAI-compatible HTTP server "
+                                     "(config overrides as key=value, e.g. model=tiny_dsv2 memory=low)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch", type=int, default=MAX_BATCH,
+                        help="requests decoded together, at most the tier's largest fitting batch")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 503)")
+    parser.add_argument("--drain-timeout", type=float, default=600.0,
+                        help="seconds SIGTERM waits for in-flight requests")
+    args, rest = parser.parse_known_args(argv)
+    overrides, _ = split_overrides(rest, ())
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise ConfigError("--max-batch must be >= 1 and --max-queue >= 0")
+    served = load(overrides, max_batch=args.max_batch)
+    try:
+        parts = make_server(served, args.host, args.port, args.max_queue, args.drain_timeout, log_level="info")
+        print(f"specter serve: {served.name} ({served.method.name}, {served.cfg.memory.name} tier, batch up to "
+              f"{served.max_batch}, queue {args.max_queue}) on http://{args.host}:{args.port}/v1", flush=True)
+        stopped: list[int] = []
+        # uvicorn handles SIGTERM/SIGINT while it runs (stop accepting, finish in-flight requests, drain the
+        # engine), then raises the signal again under the handler it found: this one, so the runtime is
+        # closed below and the exit status is 0 instead of death by the signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stopped.append(signum))
+        parts.server.run()
+    finally:
+        served.close()
+    print(f"specter serve: stopped{' on ' + signal.Signals(stopped[0]).name if stopped else ''}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
