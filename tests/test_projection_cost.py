@@ -16,6 +16,7 @@ def test_dsv2_layer_by_hand():
     attn_bytes = (13_762_560 + 2 * 2048) * 2
     assert c.t(c.attention(1)) == pytest.approx(attn_bytes / A100_BW + 12 * LAUNCH)
     assert c.h2d() == pytest.approx(10e-6 + 17_301_504 / 24e9)
+    assert c.t(c.dense_mlp(1)) == pytest.approx(3 * 2048 * 10944 * 2 / A100_BW + 5 * LAUNCH)
 
 
 def test_qwen_layer_by_hand():

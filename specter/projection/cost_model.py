@@ -97,6 +97,7 @@ class RealShape:
     vocab: int
     attn_params: int  # weights of one layer's attention (all projections)
     shared_params: int  # weights of one layer's shared experts (+ the shared gate); 0 when none
+    dense_mlp_params: int = 0  # weights of a dense (non-MoE) layer's MLP (DeepSeek-V2's layer 0)
 
 
 def real_shape(name: str) -> RealShape:
@@ -112,6 +113,7 @@ def real_shape(name: str) -> RealShape:
         E, I = c["n_routed_experts"], c["moe_intermediate_size"]
         shared = 3 * H * I * c["n_shared_experts"]
         moe = c["num_hidden_layers"] - c["first_k_dense_replace"]
+        dense = 3 * H * c["intermediate_size"]
     else:
         hd, kv = H // heads, c["num_key_value_heads"]
         attn = 2 * H * heads * hd + 2 * H * kv * hd
@@ -120,8 +122,9 @@ def real_shape(name: str) -> RealShape:
             shared = 3 * H * c["shared_expert_intermediate_size"] + H
         else:
             E, I, shared = c["num_local_experts"], c["intermediate_size"], 0
-        moe = c["num_hidden_layers"]
-    return RealShape(mt, H, I, E, c["num_experts_per_tok"], c["num_hidden_layers"], moe, c["vocab_size"], attn, shared)
+        moe, dense = c["num_hidden_layers"], 0
+    return RealShape(mt, H, I, E, c["num_experts_per_tok"], c["num_hidden_layers"], moe, c["vocab_size"], attn, shared,
+                     dense)
 
 
 class CostModel:
@@ -143,6 +146,14 @@ class CostModel:
     def shared(self, n: int = 1) -> Op:
         p = self.s.shared_params
         return Op("shared", p * FP16, 2 * p * n, LAUNCHES["shared"] if p else 0)
+
+    def dense_mlp(self, n: int = 1) -> Op:
+        p = self.s.dense_mlp_params
+        return Op("dense_mlp", p * FP16, 2 * p * n, LAUNCHES["shared"] if p else 0)
+
+    def dense_only_layer(self, n: int = 1) -> float:
+        """One dense (non-MoE) decoder layer: attention + norms and its MLP."""
+        return self.t(self.attention(n)) + self.t(self.dense_mlp(n))
 
     def expert_params(self) -> int:
         return 3 * self.s.hidden * self.s.expert_inter
@@ -185,14 +196,13 @@ class CostModel:
         """One draft token through every layer: FP16 non-expert work, INT4 routed experts, lm_head."""
         s = self.s
         per = self.dense_layer(1) + self.t(self.draft_experts(s.top_k, fused), int4=True)
-        return s.num_layers * self.t(self.attention(1)) + s.moe_layers * (per - self.t(self.attention(1))) \
-            + self.t(self.lm_head(1))
+        return (s.num_layers - s.moe_layers) * self.dense_only_layer(1) + s.moe_layers * per + self.t(self.lm_head(1))
 
     def target_step_resident(self) -> float:
         """One target decode token with every expert on the device (target_only)."""
         s = self.s
-        return (s.num_layers * self.t(self.attention(1)) + s.moe_layers * (self.t(self.router(1)) + self.t(self.shared(1))
-                + s.top_k * self.t(self.expert(1))) + self.t(self.lm_head(1)))
+        return ((s.num_layers - s.moe_layers) * self.dense_only_layer(1)
+                + s.moe_layers * (self.dense_layer(1) + s.top_k * self.t(self.expert(1))) + self.t(self.lm_head(1)))
 
 
 def cost_model(model: str, device: str | Device) -> CostModel:
