@@ -63,3 +63,12 @@ def test_sensitivity_moves_the_right_way():
     hbm = [v for p, f, v in sensitivity("dsv2", "a100_40gb_pcie4", lambda c: c.target_step_resident())
            if p == "hbm_bandwidth"]
     assert hbm[0] > hbm[1] > hbm[2]
+
+
+def test_report_csv_is_byte_identical_across_runs(tmp_path):
+    from specter.projection.report import main, report_csv
+
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    assert main([str(a)]) == 0 and main([str(b)]) == 0
+    assert a.read_bytes() == b.read_bytes() == report_csv().encode()
+    assert "target_only_tpot" in a.read_text()
