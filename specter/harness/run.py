@@ -61,7 +61,7 @@ def prepare(cfg: DictConfig, num_prompts: int) -> Prepared:
     """Validate the config and the device, load the first `num_prompts` prompts of every dataset,
     resolve the checkpoint and tokenize: every failure here comes before a model loads."""
     validate(cfg)
-    resident_experts(cfg)
+    resident_experts(cfg, stated_experts=False)  # a stated model.num_experts is checked against the checkpoint
     device_and_dtype(cfg)  # a missing GPU is reported before anything loads
     datasets = expand_datasets(cfg.dataset.name)
     prompt_sets = {ds: load_prompt_set(ds, num_prompts, cfg.assets_dir, allow_hub=cfg.allow_hub) for ds in datasets}
