@@ -83,6 +83,8 @@ def run(cfg: DictConfig) -> Path:
         writer = RecordWriter(out / "records.csv")
         base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
         _check_finished_prompts(out, writer, base, prompts)
+        side = SideTables(out)
+        repair_side_tables(out, writer, base, side)
         todo = [
             (ds, i, r)
             for ds in datasets
@@ -91,7 +93,7 @@ def run(cfg: DictConfig) -> Path:
             if not writer.is_done(tuple(str(v) for v in (*base.values(), ds, i, r)))
         ]
         if todo:
-            _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo)
+            _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo, side)
         else:
             print(f"{out}: every record is already finished; nothing to run (records are never overwritten).")
         summary = write_summary(out)
@@ -121,7 +123,20 @@ def _check_finished_prompts(out: Path, writer: RecordWriter, base: dict, prompts
         refuse_other_prompt(out, key[3], int(key[4]), digest, prompts)
 
 
-def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> None:
+def repair_side_tables(out: Path, writer: RecordWriter, base: dict, side: SideTables) -> None:
+    """A finished record whose routes/trace block lost a line (torn, invalid) is measured again, as a
+    torn record is: its record is set aside, and the new block supersedes the short one."""
+    from specter.harness.artifacts import SIDE_TABLES
+
+    for name in SIDE_TABLES:
+        if not (out / f"{name}.csv").exists():
+            continue
+        keys = {(*base.values(), *k) for k in side.store(name).damaged} & writer.done
+        if keys:
+            writer.store.set_aside_keys(keys, f"its {name}.csv block lost a line")
+
+
+def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo, side) -> None:
     from specter.models.registry import checkpoint_digest
 
     if cfg.hardware.get("threads"):
@@ -144,7 +159,6 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
                                               method_config=OmegaConf.to_container(cfg.method, resolve=True)))
         ratios = run_load_ratios(cfg, checkpoint, method, step_s)  # each record's effective load ratio (load_ratio.py)
         static = {"hardware": cfg.hardware.name, "prefix_tokens": cfg.prefix_tokens, **method.static_fields()}
-        side = SideTables(out)
         for ds, i, r in tqdm(todo, desc=f"{cfg.method.name}/{cfg.model.name}", disable=not cfg.progress, unit="rec"):
             ids = encode(ds, i)
             seed = record_seed(cfg.seed, ds, i, r)
