@@ -27,7 +27,8 @@ ENV = "SPECTER_VERBOSE"
 NOISY_LOGGERS = ("logbar", "gptqmodel", "torchao", "torch.utils._pytree", "transformers.modeling_utils",
                  "accelerate.utils.modeling",
                  # "The following TP rules were not applied ..." / "... layers were not sharded": tensor
-                 # parallelism Specter never uses, warned on every model load
+                 # parallelism Specter never uses, checked on every load once modeling_utils is at
+                 # ERROR (transformers runs that check only when its logger's level is WARNING or above)
                  "transformers.distributed.tensor_parallel")
 
 

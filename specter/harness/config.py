@@ -65,6 +65,9 @@ def validate(cfg: DictConfig) -> None:
         f"prefix_tokens + max_new_tokens (+ K+1 speculative positions) = "
         f"{cfg.prefix_tokens + cfg.max_new_tokens + extra} exceeds {cfg.model.name}'s context ({ctx})",
     )
+    _require(cfg.prefix_tokens + cfg.warmup_tokens + extra <= ctx,
+             f"prefix_tokens + warmup_tokens (+ K+1 speculative positions) = "
+             f"{cfg.prefix_tokens + cfg.warmup_tokens + extra} exceeds {cfg.model.name}'s context ({ctx})")
     _require(math.isfinite(cfg.temperature) and cfg.temperature >= 0,
              f"temperature must be a finite number >= 0, got {cfg.temperature}")
     _require(math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
@@ -118,7 +121,7 @@ def _runner_identity(name: str, runner: Any) -> None:
         return
     registered = OmegaConf.load(path).get("runner")
     _require(registered is None or str(runner) == str(registered),
-             f"method.runner={runner} is not method {name!r}'s runner ({registered}): records would be saved "
+             f"method.runner={runner} is not the runner of method {name!r} ({registered}): records would be saved "
              f"under the wrong name; drop method.runner, or name the new method (method.name=...)")
 
 

@@ -109,6 +109,7 @@ class Table:
     rows: list[tuple[int, str, dict[str, str]]] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     damaged: set[tuple[str, ...]] = field(default_factory=set)  # block tables: keys whose block lost a line
+    every_row: list[tuple[int, str, dict[str, str]]] = field(default_factory=list)  # block tables: superseded too
 
     def values(self) -> list[dict[str, str]]:
         return [v for _, _, v in self.rows]
@@ -193,6 +194,7 @@ def parse(data: bytes, schema: Schema, exact: bool = True) -> Table:
         table.rows.append((i, raw, values))
     if schema.blocks:
         table.damaged = damaged_blocks(schema, table.rows, table.rejected)
+        table.every_row = table.rows
         table.rows = last_blocks(schema, table.rows)
     return table
 
@@ -335,21 +337,23 @@ class RowStore:
 
     def set_aside_keys(self, keys: set[tuple[str, ...]], reason: str,
                        warn: Callable[[str], None] | None = None) -> list[Rejected]:
-        """Move the rows of `keys` (keyed tables) to `<name>.rejected.csv` with `reason`, and rewrite the
-        table atomically without them: what they stood for is measured again."""
+        """Move every row of `keys` to `<name>.rejected.csv` with `reason`, and rewrite the table
+        atomically without them: what they stood for is measured again (a block table's new block then
+        never runs on from a stale one of the same key)."""
         data = self.path.read_bytes()
         table = parse(data, self.schema, exact=True)
-        gone = [Rejected(i, reason, raw) for i, raw, v in table.rows if key_of(self.schema, v) in keys]
+        rows = table.every_row if self.schema.blocks else table.rows
+        gone = [Rejected(i, reason, raw) for i, raw, v in rows if key_of(self.schema, v) in keys]
         if not gone:
             return []
         self._set_aside(gone)
-        kept = [raw for i, raw, v in table.rows if key_of(self.schema, v) not in keys]
+        kept = [raw for i, raw, v in rows if key_of(self.schema, v) not in keys]
         self._write_atomic(format_row(self.schema.columns).encode() + "".join(r + "\n" for r in kept).encode())
         self.keys -= set(keys)
+        self.damaged -= set(keys)
         self.rows = [v for v in self.rows if key_of(self.schema, v) not in keys]
-        for r in gone:
-            (warn or _warn_default)(f"{self.path} line {r.line}: {reason}; moved to {self.rejected_path.name} "
-                                    "(measured again)")
+        lines = ", ".join(str(r.line) for r in gone[:8]) + (" ..." if len(gone) > 8 else "")
+        (warn or _warn_default)(f"{self.path} line(s) {lines}: {reason}; moved to {self.rejected_path.name}")
         return gone
 
     def _set_aside(self, rejected: list[Rejected]) -> None:

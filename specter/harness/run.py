@@ -124,16 +124,26 @@ def _check_finished_prompts(out: Path, writer: RecordWriter, base: dict, prompts
 
 
 def repair_side_tables(out: Path, writer: RecordWriter, base: dict, side: SideTables) -> None:
-    """A finished record whose routes/trace block lost a line (torn, invalid) is measured again, as a
-    torn record is: its record is set aside, and the new block supersedes the short one."""
+    """Side tables hold whole blocks of finished records only, before anything is measured again.
+
+    A finished record whose routes/trace block lost a line (torn, invalid) is measured again, as a
+    torn record is: its record and its block are set aside. Blocks of records that never finished
+    (a run stopped between a block and its record) are set aside too, so the block a rerun appends
+    never runs on from a stale one of the same key."""
     from specter.harness.artifacts import SIDE_TABLES
 
+    record_key = lambda k: (*base.values(), *k)  # noqa: E731 - side key (dataset, prompt_index, repeat)
     for name in SIDE_TABLES:
         if not (out / f"{name}.csv").exists():
             continue
-        keys = {(*base.values(), *k) for k in side.store(name).damaged} & writer.done
-        if keys:
-            writer.store.set_aside_keys(keys, f"its {name}.csv block lost a line")
+        store = side.store(name)
+        lost = {k for k in store.damaged if record_key(k) in writer.done}
+        if lost:
+            writer.store.set_aside_keys({record_key(k) for k in lost}, f"its {name}.csv block lost a line")
+            store.set_aside_keys(lost, "a block that lost a line (its record is measured again)")
+        unfinished = {k for k in store.keys if record_key(k) not in writer.done}
+        if unfinished:
+            store.set_aside_keys(unfinished, "the block of a record that never finished (measured again)")
 
 
 def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo, side) -> None:
