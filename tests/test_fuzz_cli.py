@@ -19,7 +19,7 @@ import typing
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from conftest import FIXTURES, cli_in_process  # noqa: E402
@@ -77,7 +77,7 @@ def value_for(key: str) -> st.SearchStrategy[str]:
 OVERRIDE = st.sampled_from(sorted(FIELDS)).flatmap(lambda key: value_for(key).map(lambda v: f"{key}={v}"))
 
 
-@settings(max_examples=int(os.environ.get("SPECTER_FUZZ_EXAMPLES", "25")), deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("SPECTER_FUZZ_EXAMPLES", "40")), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(overrides=st.lists(OVERRIDE, min_size=1, max_size=3))
 def test_any_schema_override_runs_or_fails_in_one_line(overrides, capsys):
@@ -88,6 +88,7 @@ def test_any_schema_override_runs_or_fails_in_one_line(overrides, capsys):
         finally:  # verbose=true sets SPECTER_VERBOSE for the process
             os.environ.clear()
             os.environ.update(env)
+    event(f"exit status {rc}")  # pytest --hypothesis-show-statistics: how many ran, how many were refused
     assert "Traceback" not in out + err, (overrides, err[-3000:])
     errors = [line for line in err.splitlines() if line.startswith("specter: error:")]
     if rc == 0:
