@@ -201,6 +201,7 @@ def test_signals_end_in_one_line(sig, status, multirun, tmp_path):
     (f"seed={2**70}", "seed must be below 2**31"),
     (f"seed={2**31}", "seed must be below 2**31"),
     ("model.num_experts=10", "model.num_experts=10 (the checkpoint has"),
+    ("hardware.device=0", "hardware.device must be cpu, cuda"),  # found by tests/test_fuzz_cli.py
 ])
 def test_quiet_wrong_answers_are_refused(override, needle, no_model, tmp_path, capsys):
     rc, out, err = cli_in_process([*BASE, override, f"output_dir={tmp_path / 'o'}"], capsys)

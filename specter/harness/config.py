@@ -78,6 +78,7 @@ def validate(cfg: DictConfig) -> None:
     _choice("hardware.dtype", cfg.hardware.dtype, tuple(DTYPES))
     _choice("hardware.draft_kernel", cfg.hardware.get("draft_kernel", "auto"), ("auto", *DRAFT_KERNELS))
     hw = cfg.hardware
+    _device(hw.device)
     _require(hw.threads is None or hw.threads >= 1, f"hardware.threads must be >= 1 (or null), got {hw.threads}")
     _require(hw.bandwidth_gbps is None or hw.bandwidth_gbps > 0,
              f"hardware.bandwidth_gbps must be > 0 (or null to calibrate), got {hw.bandwidth_gbps}")
@@ -123,6 +124,17 @@ def _runner_identity(name: str, runner: Any) -> None:
     _require(registered is None or str(runner) == str(registered),
              f"method.runner={runner} is not the runner of method {name!r} ({registered}): records would be saved "
              f"under the wrong name; drop method.runner, or name the new method (method.name=...)")
+
+
+def _device(value: Any) -> None:
+    """hardware.device as torch reads it: cpu, cuda or cuda:<index>."""
+    import torch
+
+    try:
+        kind = torch.device(str(value)).type
+    except (RuntimeError, TypeError, ValueError):
+        kind = None
+    _require(kind in ("cpu", "cuda"), f"hardware.device must be cpu, cuda or cuda:<index>, got {value!r}")
 
 
 def _names(cfg: DictConfig) -> None:
