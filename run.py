@@ -26,10 +26,12 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
+    from specter.harness.config import check_composed
     from specter.harness.errors import USER_ERRORS, disk_error, report
     from specter.harness.experiments import run_experiment
 
     try:
+        check_composed(cfg)
         run_experiment(cfg)
     except USER_ERRORS as err:
         report(err)
@@ -46,6 +48,21 @@ def _needs_hydra(argv: list[str]) -> bool:
     return any(a.startswith("-") or a.lstrip("+~").startswith(("hydra.", "hydra/")) for a in argv)
 
 
+# Hydra's own output locations: each job's folder is its output_dir (conf/config.yaml), and Hydra
+# writes nothing of its own beside it; moving them would scatter a run's files outside its folder.
+FIXED_HYDRA_KEYS = ("hydra.output_subdir", "hydra.run.dir", "hydra.sweep.subdir", "hydra.job.chdir",
+                    "hydra.runtime.output_dir")
+
+
+def _hydra_location_override(argv: list[str]) -> str | None:
+    """The first override that moves one of Hydra's output locations, if any."""
+    for arg in argv:
+        key = arg.lstrip("+~").partition("=")[0]
+        if key in FIXED_HYDRA_KEYS:
+            return arg
+    return None
+
+
 def _with_default_job(argv: list[str]) -> list[str]:
     """Hydra flags with no override (`--cfg job`, `-m`) act on the default job, as plain `python run.py`
     does; `--help`/`--hydra-help` describe conf/config.yaml itself."""
@@ -60,16 +77,25 @@ def _with_default_job(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     if _needs_hydra(sys.argv[1:]):
         sys.argv[1:] = _with_default_job(sys.argv[1:])
-        from specter.harness.cli import check_optional_groups
+        from specter.harness.cli import check_optional_groups, interrupted, terminate_as_interrupt
         from specter.harness.config import ConfigError
         from specter.harness.errors import report
 
         try:  # Hydra's multirun skips a missing option of an optional group: refuse it first
             check_optional_groups([a for a in sys.argv[1:] if not a.startswith("-")])
+            moved = _hydra_location_override(sys.argv[1:])
+            if moved:
+                raise ConfigError(f"{moved}: Hydra's output locations are fixed (each job's files stay in its "
+                                  "output_dir); choose the folder with output_dir=... (and hydra.sweep.dir=... "
+                                  "for a multirun's multirun.yaml)")
         except ConfigError as err:
             report(err)
             sys.exit(2)
-        hydra_main()
+        try:
+            with terminate_as_interrupt():
+                hydra_main()
+        except KeyboardInterrupt as err:
+            sys.exit(interrupted(err))
     else:
         from specter.harness.cli import main
 

@@ -4,7 +4,8 @@
     python scripts/checksums.py verify --dir D         # the same for the folder D
     python scripts/checksums.py write --dir D          # D/SHA256SUMS over every file under D
     python scripts/checksums.py write --pinned         # the repository's SHA256SUMS: committed data files
-    python scripts/checksums.py verify --pinned        #   under PINNED (a new file there must be listed)
+    python scripts/checksums.py verify --pinned        #   under PINNED (a new file there, committed or
+                                                       #   not, must be listed)
 
 `sha256sum -c SHA256SUMS` checks the digests of the files listed, but says nothing about a file
 that is not listed; `verify` also compares the list with the files present (artifact) or with the
@@ -70,9 +71,24 @@ def pinned_files(repo: Path = REPO) -> list[str]:
     return sorted(n for n in res.stdout.decode().split("\0") if n)
 
 
-def problems(root: Path, listed: dict[str, str], expected: list[str]) -> list[str]:
-    """What differs between SHA256SUMS, the files it should cover and their contents."""
+def on_disk(repo: Path = REPO) -> list[str]:
+    """Every file present under PINNED, committed or not (relative to the checkout): a file dropped
+    into a shipped tree is read by make_figures like any other, so it must be caught too."""
+    names = []
+    for entry in PINNED:
+        path = repo / entry
+        if path.is_dir() and not path.is_symlink():
+            names += [f"{entry}/{n}" for n in tree_files(path) if not n.endswith(f"/{SUMS}")]
+        elif path.exists() or path.is_symlink():
+            names.append(entry)
+    return sorted(names)
+
+
+def problems(root: Path, listed: dict[str, str], expected: list[str], present: list[str] | None = None) -> list[str]:
+    """What differs between SHA256SUMS, the files it should cover and their contents; `present`:
+    the files on disk under the pinned folders, each of which must be committed and listed."""
     out = [f"added (not in {SUMS}): {n}" for n in sorted(set(expected) - set(listed))]
+    out += [f"not committed (and not in {SUMS}): {n}" for n in sorted(set(present or ()) - set(expected) - set(listed))]
     for name, digest in sorted(listed.items()):
         path = root / name
         if not path.exists() and not path.is_symlink():
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1 if args.action == "verify" else 2
-    found = problems(root, listed, expected)
+    found = problems(root, listed, expected, on_disk(root) if args.pinned else None)
     for line in found:
         print(line, file=sys.stderr)
     if found:

@@ -25,7 +25,11 @@ from collections.abc import Iterator
 ENV = "SPECTER_VERBOSE"
 # Loggers of libraries Specter uses whose INFO/WARNING lines are noise in a run's output.
 NOISY_LOGGERS = ("logbar", "gptqmodel", "torchao", "torch.utils._pytree", "transformers.modeling_utils",
-                 "accelerate.utils.modeling")
+                 "accelerate.utils.modeling",
+                 # "The following TP rules were not applied ..." / "... layers were not sharded": tensor
+                 # parallelism Specter never uses, checked on every load once modeling_utils is at
+                 # ERROR (transformers runs that check only when its logger's level is WARNING or above)
+                 "transformers.distributed.tensor_parallel")
 
 
 def verbose() -> bool:
@@ -44,6 +48,26 @@ def quiet_loggers() -> None:
     level = logging.NOTSET if verbose() else logging.ERROR
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(level)
+    quiet_progress_bars()
+
+
+def quiet_progress_bars() -> None:
+    """transformers' own bars ("Loading weights", "Writing model shards") off unless verbose.
+
+    transformers' switch also flips huggingface_hub's bars (downloads, which a user waits on):
+    those are put back as they were."""
+    try:
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # neither installed: nothing of theirs to hide
+        return
+    hub_was_off = are_progress_bars_disabled()
+    if verbose():
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    if hub_was_off != are_progress_bars_disabled():
+        (disable_progress_bars if hub_was_off else enable_progress_bars)()
 
 
 @contextlib.contextmanager

@@ -25,6 +25,11 @@ and trace rows, only the last block of each record key counts, and only for reco
 records.csv holds as finished. Other CSVs (written atomically by their scripts) and config.yaml
 are read as they are; one that cannot be parsed is skipped with a note. A figure uses the columns
 it needs and skips with a note otherwise.
+
+A result set that ships with a manifest (`SHA256SUMS` in the folder, or the checkout's SHA256SUMS
+listing files under it, as for results/reference) is read through it: only the files it lists
+count, so a file dropped into a shipped tree is never drawn. A folder no manifest covers (your
+own runs) is read whole.
 """
 
 from __future__ import annotations
@@ -59,11 +64,47 @@ def default_results(repo: Path) -> Path:
     return results / "reference"
 
 
+MANIFEST = "SHA256SUMS"
+
+
+def _manifest_names(path: Path) -> tuple[str, ...]:
+    """The file names a SHA256SUMS lists (`<sha256>  <name>` lines; other lines ignored)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ()
+    names = []
+    for line in text.splitlines():
+        digest, sep, name = line.partition("  ")
+        if sep and len(digest) == 64 and name:
+            names.append(name)
+    return tuple(names)
+
+
+def manifest(root: Path) -> frozenset[Path] | None:
+    """The files of `root` its manifest lists (resolved paths), or None when no manifest covers it:
+    `root/SHA256SUMS`, else the nearest SHA256SUMS above it if that one lists files under `root`."""
+    root = Path(root).resolve()
+    own = root / MANIFEST
+    if own.is_file():
+        return frozenset(root / n for n in _manifest_names(own))
+    for folder in root.parents:
+        sums = folder / MANIFEST
+        if sums.is_file():
+            rel = root.relative_to(folder).as_posix() + "/"
+            listed = frozenset(folder / n for n in _manifest_names(sums) if n.startswith(rel))
+            return listed or None
+    return None
+
+
 def _walk(root: Path, patterns: tuple[str, ...], set_aside: tuple[str, ...] = ()):
     if not root.is_dir():
         return
+    listed = manifest(root)
     for pattern in patterns:
         for path in sorted(root.rglob(pattern)):
+            if listed is not None and path.resolve() not in listed:
+                continue
             rel = path.relative_to(root).parts
             if rel and rel[0] in set_aside and len(rel) > 1:
                 continue

@@ -7,13 +7,58 @@ traceback; Hydra's multi-line composition errors are condensed to one line too.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from specter.harness.config import ConfigError
 
+INTERRUPTED = "specter: interrupted; finished records are kept (rerun the same command to resume)"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is so that it unwinds as Ctrl-C does (locks released, a
+    start with no finished record removed, every finished record kept)."""
+
+
+def _terminate(signum, frame):  # noqa: ARG001 - the signal module's handler signature
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises Terminated for the enclosed block (main thread only; restored after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupted(err: KeyboardInterrupt) -> int:
+    """The one line of an interrupted run; 143 for SIGTERM, 130 for Ctrl-C (the shell's 128+signal)."""
+    print(INTERRUPTED, file=sys.stderr, flush=True)
+    return 128 + (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
+
+
 def main(argv: list[str]) -> int:
-    """0 on success; 2 with one line on stderr for a user error; 130 when interrupted."""
+    """0 on success; 2 with one line on stderr for a user error; 130 (Ctrl-C) or 143 (SIGTERM)
+    when interrupted."""
+    try:
+        with terminate_as_interrupt():
+            return _main(argv)
+    except KeyboardInterrupt as err:
+        return interrupted(err)
+
+
+def _main(argv: list[str]) -> int:
     from specter.harness.compose import DEFAULT_JOB, compose
+    from specter.harness.config import check_composed
     from specter.harness.errors import USER_ERRORS, composition_error, disk_error, report
     from specter.harness.experiments import run_experiment
 
@@ -29,6 +74,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         check_optional_groups(argv)
+        check_composed(cfg)
         run_experiment(cfg)
     except USER_ERRORS as err:
         report(err)
@@ -39,9 +85,6 @@ def main(argv: list[str]) -> int:
             raise
         report(user)
         return 2
-    except KeyboardInterrupt:
-        print("specter: interrupted; finished records are kept (rerun the same command to resume)", file=sys.stderr)
-        return 130
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,7 +20,7 @@ from specter.speculative.engine import PLANNER_STATES
 if TYPE_CHECKING:
     from specter.models.facts import CheckpointFacts
 
-
+SEED_LIMIT = 2**31  # record_seed's modulus
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -48,6 +49,10 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "prefix_tokens", 1)
     _int(cfg, "warmup_tokens", 0)
     _int(cfg, "seed", 0)
+    # record_seed() folds the base seed with a per-record offset mod 2**31: a larger base would give the
+    # per-record seeds of a smaller one without a word, so it is refused instead
+    _require(cfg.seed < SEED_LIMIT, f"seed must be below 2**31 = {SEED_LIMIT} (per-record seeds are 31-bit), "
+             f"got {cfg.seed}")
     ctx = cfg.model.context_length
     _require(
         cfg.prefix_tokens <= ctx,
@@ -60,8 +65,12 @@ def validate(cfg: DictConfig) -> None:
         f"prefix_tokens + max_new_tokens (+ K+1 speculative positions) = "
         f"{cfg.prefix_tokens + cfg.max_new_tokens + extra} exceeds {cfg.model.name}'s context ({ctx})",
     )
-    _require(cfg.temperature >= 0, f"temperature must be >= 0, got {cfg.temperature}")
-    _require(0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
+    _require(cfg.prefix_tokens + cfg.warmup_tokens + extra <= ctx,
+             f"prefix_tokens + warmup_tokens (+ K+1 speculative positions) = "
+             f"{cfg.prefix_tokens + cfg.warmup_tokens + extra} exceeds {cfg.model.name}'s context ({ctx})")
+    _require(math.isfinite(cfg.temperature) and cfg.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {cfg.temperature}")
+    _require(math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
     _require(cfg.top_k >= 0, f"top_k must be >= 0 (0 = off), got {cfg.top_k}")
     for name in str(cfg.dataset.name).split(","):  # one name, 'all', or a comma list ('c4,humaneval')
         _choice("dataset.name", name.strip(), (*DATASETS, "all"))
@@ -69,6 +78,7 @@ def validate(cfg: DictConfig) -> None:
     _choice("hardware.dtype", cfg.hardware.dtype, tuple(DTYPES))
     _choice("hardware.draft_kernel", cfg.hardware.get("draft_kernel", "auto"), ("auto", *DRAFT_KERNELS))
     hw = cfg.hardware
+    _device(hw.device)
     _require(hw.threads is None or hw.threads >= 1, f"hardware.threads must be >= 1 (or null), got {hw.threads}")
     _require(hw.bandwidth_gbps is None or hw.bandwidth_gbps > 0,
              f"hardware.bandwidth_gbps must be > 0 (or null to calibrate), got {hw.bandwidth_gbps}")
@@ -98,6 +108,33 @@ def validate(cfg: DictConfig) -> None:
 
     problem = runner_problem(m.name, m.get("runner"))
     _require(problem is None, problem or "")
+    _runner_identity(m.name, m.get("runner"))
+
+
+def _runner_identity(name: str, runner: Any) -> None:
+    """A method's identity is its runner: `method=specter method.runner=<TargetOnly>` would save
+    target-only records as `method=specter`. A name with a method file under conf/method/ takes that
+    file's runner only; another runner must come with a new `method.name`."""
+    from specter.harness.compose import CONF_DIR
+
+    path = CONF_DIR / "method" / f"{name}.yaml"
+    if not path.is_file():
+        return
+    registered = OmegaConf.load(path).get("runner")
+    _require(registered is None or str(runner) == str(registered),
+             f"method.runner={runner} is not the runner of method {name!r} ({registered}): records would be saved "
+             f"under the wrong name; drop method.runner, or name the new method (method.name=...)")
+
+
+def _device(value: Any) -> None:
+    """hardware.device as torch reads it: cpu, cuda or cuda:<index>."""
+    import torch
+
+    try:
+        kind = torch.device(str(value)).type
+    except (RuntimeError, TypeError, ValueError):
+        kind = None
+    _require(kind in ("cpu", "cuda"), f"hardware.device must be cpu, cuda or cuda:<index>, got {value!r}")
 
 
 def _names(cfg: DictConfig) -> None:
@@ -174,8 +211,11 @@ def effective_K(cfg: DictConfig) -> int:
     return K
 
 
-def resident_experts(cfg: DictConfig) -> int:
-    """Resident experts per MoE layer (M): `memory.resident_experts` if given, else the model's tier."""
+def resident_experts(cfg: DictConfig, stated_experts: bool = True) -> int:
+    """Resident experts per MoE layer (M): `memory.resident_experts` if given, else the model's tier.
+
+    `stated_experts=False` skips the M <= E check while `model.num_experts` is only what the user
+    stated (before the checkpoint is read): a wrong E is the checkpoint's to refuse, by its own name."""
     override = cfg.memory.get("resident_experts")
     if override is not None:
         M = override
@@ -187,7 +227,7 @@ def resident_experts(cfg: DictConfig) -> int:
     _require(isinstance(M, int) and not isinstance(M, bool),
              f"memory.resident_experts must be an integer, got {M!r}")
     _require(M >= 1, f"memory tier {cfg.memory.name!r} leaves no expert slot per layer for {cfg.model.name} (M={M})")
-    E = cfg.model.get("num_experts")  # null until the checkpoint is read (bind_checkpoint)
+    E = cfg.model.get("num_experts") if stated_experts else None  # null until the checkpoint is read (bind_checkpoint)
     _require(E is None or M <= E, f"resident_experts={M} exceeds {cfg.model.name}'s {E} routed experts")
     return M
 
@@ -218,6 +258,9 @@ def bind_checkpoint(cfg: DictConfig, checkpoint: Any) -> CheckpointFacts:
         stated = cfg.model.get(key)
         if stated is not None and stated != getattr(facts, field):
             wrong.append(f"model.{key}={stated} (the checkpoint has {getattr(facts, field)})")
+    _require(1 <= facts.top_k <= facts.num_experts,
+             f"the checkpoint {where} routes each token to num_experts_per_tok={facts.top_k} experts but has "
+             f"{facts.num_experts} routed experts per layer: its config.json is inconsistent")
     if wrong:
         raise ConfigError(f"{' and '.join(wrong)} contradicts the checkpoint {where}. These facts come from the "
                           f"checkpoint's config: drop the override, or set it to the checkpoint's value.")
@@ -254,3 +297,65 @@ def _profiled_K(cfg: DictConfig) -> int:
     if not isinstance(K, int) or isinstance(K, bool) or K < 1:
         raise ConfigError(f"k_profile={path} has no usable K (K={K!r}); run experiment=k_sweep again")
     return K
+
+
+def check_composed(cfg: DictConfig) -> None:
+    """What every experiment needs of the composed config, before it starts: no key outside the
+    typed schema (a `+key=` addition is a typo that would be saved and never used), a non-empty
+    method list, an output folder whose every name fits the file system, a usable $SPECTER_HOME."""
+    unknown = unknown_keys(cfg)
+    _require(not unknown, f"unknown setting(s) {unknown}: not in the configuration schema "
+             "(specter/harness/schema.py); check the spelling (`python run.py --cfg job` lists every key)")
+    compare = cfg.get("compare")
+    if isinstance(compare, DictConfig) and "methods" in compare:
+        methods = compare.methods
+        _require(OmegaConf.is_list(methods) and len(methods) > 0,
+                 f"compare.methods must list at least one method, got {OmegaConf.to_container(methods) if OmegaConf.is_config(methods) else methods!r}")
+    check_output_dir(cfg.get("output_dir"))
+    check_home()
+
+
+def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of `cfg` that no schema dataclass declares (free-form dict fields such as
+    model.tiers or method.planner are open by design and are not walked)."""
+    import dataclasses
+
+    out: list[str] = []
+    kind = OmegaConf.get_type(cfg)
+    fields = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None
+    for key in cfg.keys():
+        if fields is not None and key not in fields and key != "hydra":
+            out.append(f"{prefix}{key}")
+            continue
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none() and fields is not None:
+            out += unknown_keys(node, f"{prefix}{key}.")
+    return out
+
+
+# The longest file name a folder holds (bytes); 255 on every file system Specter runs on.
+NAME_MAX = 255
+
+
+def check_output_dir(value: Any) -> None:
+    from pathlib import Path
+
+    if value is None:
+        return
+    for part in Path(str(value)).parts:
+        _require(len(part.encode("utf-8", errors="surrogateescape")) <= NAME_MAX,
+                 f"output_dir has a folder name of {len(part.encode('utf-8', errors='surrogateescape'))} bytes "
+                 f"({part[:24]}...): a file system allows at most {NAME_MAX}; choose a shorter output_dir")
+
+
+def check_home() -> None:
+    """$SPECTER_HOME (tiny models, drafts, calibrations) must be a folder, or not exist yet."""
+    from specter.paths import specter_home
+
+    home = specter_home()
+    _require(not home.exists() or home.is_dir(),
+             f"SPECTER_HOME={home} is a file, not a folder: point it at a folder (or unset it for ~/.cache/specter)")
+    if not home.exists():
+        parent = next((p for p in home.parents if p.exists()), None)
+        _require(parent is None or parent.is_dir(),
+                 f"SPECTER_HOME={home} lies under {parent}, which is a file, not a folder")

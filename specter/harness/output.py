@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -107,6 +108,70 @@ def _lock(out: Path) -> int:
         os.close(fd)
         raise _os_error(out, err) from None
     return fd
+
+
+def _sha256_of(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _check_written(out: Path, finished: int) -> None:
+    """A folder with finished records is resumed only on the files this code wrote: config.yaml and
+    every env*.json must still hold the bytes whose sha256 provenance.json recorded (a hand edit, or a
+    half-written copy, would make the resumed records mean something else), and every env*.json must
+    be a whole JSON object."""
+    if not finished:
+        return
+    recorded = read_provenance(out)
+    written = {"config.yaml": recorded.get("config_sha256"), **(recorded.get("env_sha256") or {})}
+    for name, digest in sorted(written.items()):
+        path = out / name
+        if isinstance(digest, str) and path.exists() and _sha256_of(path) != digest:
+            raise OutputError(f"{path} was changed after the run wrote it (sha256 {str(_sha256_of(path))[:12]}, "
+                              f"written {digest[:12]}): {out} holds {finished} finished records that it no longer "
+                              "describes; restore the file, or choose another output_dir")
+    for path in sorted(out.glob("env*.json")):
+        try:
+            ok = isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
+        except (OSError, UnicodeDecodeError, ValueError):
+            ok = False
+        if not ok:
+            raise OutputError(f"{path} is damaged (not a whole JSON object), so resuming cannot check the "
+                              f"environment of the {finished} finished records: choose another output_dir")
+
+
+# env.json keys that change what a timed record means: another machine or other library versions
+# make the resumed records a different measurement.
+ENVIRONMENT_KEYS = ("packages", "python", "cpu.processor", "cpu.count", "gpu")
+
+
+def _env_value(data: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _check_environment(out: Path, finished: int, now: dict[str, Any] | None = None) -> None:
+    """The first env.json of a folder with finished records must describe this machine and these
+    libraries (ENVIRONMENT_KEYS); any difference is refused, naming the keys."""
+    path = out / "env.json"
+    if not finished or not path.exists():
+        return
+    was = read_json_object(path)
+    now = environment_info() if now is None else now
+    changed = []
+    for key in ENVIRONMENT_KEYS:
+        a, b = _env_value(was, key), _env_value(now, key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += [f"{key}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            changed.append(key)
+    if changed:
+        raise ConfigError(f"{out} holds {finished} records measured in another environment (env.json differs in: "
+                          f"{', '.join(changed)}); resuming would mix two measurements: choose another output_dir, "
+                          "or resume where they were measured")
 
 
 def _check_config(out: Path, cfg: DictConfig, finished: int, note: Callable[[str], None]) -> None:
@@ -217,18 +282,20 @@ def run_folder(cfg: DictConfig, provenance: dict[str, Any] | None = None,
                 (out / LOCK_NAME).unlink(missing_ok=True)
             raise OutputError(f"{out} exists, is not empty and holds no Specter run: choose another output_dir")
         finished = finished_records(out)
+        _check_written(out, finished)
         _check_config(out, cfg, finished, note)
+        _check_environment(out, finished)
         provenance = dict(provenance or {})
         _check_provenance(out, provenance, finished)
         if finished and prompts is not None:
             base = {k: str(OmegaConf.select(cfg, f"{k}.name")) for k in ("method", "model", "memory")}
             _check_prompts(out, prompts, base)
         try:
-            atomic_write_text(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-            if provenance:
-                previous = read_provenance(out)
-                atomic_write_text(out / PROVENANCE_NAME,
-                                  json.dumps({**previous, **provenance}, indent=1, sort_keys=True))
+            text = OmegaConf.to_yaml(cfg, resolve=True)
+            atomic_write_text(out / "config.yaml", text)
+            provenance["config_sha256"] = hashlib.sha256(text.encode()).hexdigest()  # what resuming checks
+            previous = read_provenance(out)
+            atomic_write_text(out / PROVENANCE_NAME, json.dumps({**previous, **provenance}, indent=1, sort_keys=True))
         except OSError as err:
             raise _os_error(out, err) from None
         yield out
@@ -312,8 +379,12 @@ def write_environment(out: Path, extra: dict[str, Any] | None = None) -> Path:
     while path.exists():
         path = out / f"env.resume-{n}.json"
         n += 1
+    text = json.dumps(environment_info(extra), indent=1, sort_keys=True, default=str)
     try:
-        atomic_write_text(path, json.dumps(environment_info(extra), indent=1, sort_keys=True, default=str))
+        atomic_write_text(path, text)
+        data = read_provenance(out)  # each env file's sha256: resuming refuses an edited or damaged one
+        data["env_sha256"] = {**(data.get("env_sha256") or {}), path.name: hashlib.sha256(text.encode()).hexdigest()}
+        atomic_write_text(out / PROVENANCE_NAME, json.dumps(data, indent=1, sort_keys=True))
     except OSError as err:
         raise _os_error(out, err) from None
     return path

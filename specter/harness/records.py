@@ -73,10 +73,51 @@ def record_key(row: dict[str, Any]) -> tuple[str, ...]:
     return tuple(str(row[c]) for c in KEY_COLUMNS)
 
 
+# Physical bounds of a measurement: a value outside them is a hand edit or a bug, never a result.
+NON_NEGATIVE = ("K", "resident_experts", "batch_size", "prefix_tokens", "tpot_ms", "ttft_ms", "e2e_ms",
+                "accepted_tokens", "drafted_tokens", "mean_accepted_len", "h2d_bytes", "demand_hits", "demand_misses",
+                "copy_wait_ms", "dropped_prefetches", "oracle_h2d_bytes", "expert_budget", "first_divergence",
+                "target_nll", "peak_memory_bytes", "staging_buffers", "footprint_bytes", "budget_bytes", "slot_bytes",
+                "staging_bytes", "draft_bytes", "seed", "load_ratio", "effective_load_ratio", "layer_step_ms",
+                "expert_load_ms")
+FRACTIONS = ("accepted_fraction", "acceptance_alpha", "overlap_fraction", "prefetch_precision", "prefetch_recall",
+             "token_match_fraction")
+# (part, whole): a count can never exceed the total it is a part of
+PARTS = (("accepted_tokens", "drafted_tokens"),)
+
+
+def _number(values: dict[str, str], column: str) -> float | None:
+    text = values.get(column, "")
+    try:
+        return float(text) if text.strip() else None
+    except ValueError:
+        return None
+
+
+def _physical(values: dict[str, str]) -> str | None:
+    """Why a record's numbers cannot be a measurement (negative times, fractions past 1, ...), or None."""
+    for c in NON_NEGATIVE:
+        v = _number(values, c)
+        if v is not None and v < 0:
+            return f"{c}={values[c]} is negative"
+    for c in FRACTIONS:
+        v = _number(values, c)
+        if v is not None and not 0 <= v <= 1:
+            return f"{c}={values[c]} is not in [0, 1]"
+    for part, whole in PARTS:
+        p, w = _number(values, part), _number(values, whole)
+        if p is not None and w is not None and p > w:
+            return f"{part}={values[part]} exceeds {whole}={values[whole]}"
+    return None
+
+
 def _record_rules(values: dict[str, str]) -> str | None:
     new_tokens, digest = values.get("new_tokens", ""), values.get("output_digest", "")
     if not new_tokens.isdigit() or int(new_tokens) < 1:
         return f"new_tokens={new_tokens!r} is not a positive integer"
+    impossible = _physical(values)
+    if impossible:
+        return impossible
     if not _SHA256.fullmatch(digest):
         return f"output_digest={digest!r} is not a sha256"
     if values.get("prompt_sha256") and not _SHA256.fullmatch(values["prompt_sha256"]):

@@ -26,6 +26,7 @@ block of that key (an earlier block, possibly cut short by a crash, is supersede
 
 from __future__ import annotations
 
+import bisect
 import csv
 import io
 import math
@@ -107,6 +108,8 @@ class Table:
     header: list[str]
     rows: list[tuple[int, str, dict[str, str]]] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    damaged: set[tuple[str, ...]] = field(default_factory=set)  # block tables: keys whose block lost a line
+    every_row: list[tuple[int, str, dict[str, str]]] = field(default_factory=list)  # block tables: superseded too
 
     def values(self) -> list[dict[str, str]]:
         return [v for _, _, v in self.rows]
@@ -190,8 +193,53 @@ def parse(data: bytes, schema: Schema, exact: bool = True) -> Table:
             seen[key] = i
         table.rows.append((i, raw, values))
     if schema.blocks:
+        table.damaged = damaged_blocks(schema, table.rows, table.rejected)
+        table.every_row = table.rows
         table.rows = last_blocks(schema, table.rows)
     return table
+
+
+def damaged_blocks(schema: Schema, rows: list[tuple[int, str, dict[str, str]]],
+                   rejected: list[Rejected]) -> set[tuple[str, ...]]:
+    """Keys whose last block (the one readers keep) lost a rejected line.
+
+    A block is one write of consecutive lines. A rejected line belongs to its own key when the key
+    columns came through whole (more fields follow them), else to the block just before or just
+    after it. A block superseded by a later one of the same key does not count."""
+    if not rejected:
+        return set()
+    by_line = sorted(rows, key=lambda r: r[0])
+    lines = [r[0] for r in by_line]
+    start: dict[tuple[str, ...], int] = {}  # key -> first line of its last block
+    prev = None
+    for line, _, values in by_line:
+        k = key_of(schema, values)
+        if k != prev:
+            start[k] = line
+            prev = k
+    header = list(by_line[0][2]) if by_line else list(schema.columns)
+    out: set[tuple[str, ...]] = set()
+    for r in rejected:
+        try:
+            fields = next(csv.reader([r.text]), [])
+        except csv.Error:
+            fields = []
+        own = dict(zip(header, fields))
+        if len(fields) > len(schema.key) and all(own.get(c, "").isdigit() for c in schema.key if c in schema.integers):
+            k = key_of(schema, own)
+            if k in start and start[k] <= r.line + 1:
+                out.add(k)
+            continue
+        i = bisect.bisect_left(lines, r.line)
+        if i > 0:
+            k = key_of(schema, by_line[i - 1][2])
+            if lines[i - 1] >= start[k]:
+                out.add(k)
+        if i < len(by_line):
+            k = key_of(schema, by_line[i][2])
+            if lines[i] == start[k]:
+                out.add(k)
+    return out
 
 
 def last_blocks(schema: Schema, rows: list[tuple[int, str, dict[str, str]]]) -> list[tuple[int, str, dict[str, str]]]:
@@ -244,6 +292,7 @@ def read_frame(path: Path, schema: Schema, warn: Callable[[str], None] | None = 
     table = read_table(path, schema, warn, exact)
     if not table.header:
         return pd.DataFrame(columns=list(schema.columns))
+
     body = format_row(table.header) + "".join(raw + "\n" for _, raw, _ in table.rows)
     text_cols = {c: str for c in table.header if c in schema.text}
     df = pd.read_csv(io.StringIO(body), dtype=text_cols)
@@ -260,6 +309,7 @@ class RowStore:
         self.rejected: list[Rejected] = []
         self.keys: set[tuple[str, ...]] = set()
         self.rows: list[dict[str, str]] = []  # keyed tables: the valid rows found when opened
+        self.damaged: set[tuple[str, ...]] = set()  # block tables: keys whose block lost a line (rejected)
         warn = warn or _warn_default
         try:
             data = self.path.read_bytes() if self.path.exists() else b""
@@ -280,9 +330,31 @@ class RowStore:
                 warn(f"{self.path} line {r.line}: {r.reason}; moved to {self.rejected_path.name} "
                      "(measured again)")
         self.rejected = table.rejected
+        self.damaged = table.damaged
         self.keys = {key_of(schema, v) for v in table.values()}
         if not schema.blocks:  # the valid rows when opened (a block table's can be many; not kept)
             self.rows = table.values()
+
+    def set_aside_keys(self, keys: set[tuple[str, ...]], reason: str,
+                       warn: Callable[[str], None] | None = None) -> list[Rejected]:
+        """Move every row of `keys` to `<name>.rejected.csv` with `reason`, and rewrite the table
+        atomically without them: what they stood for is measured again (a block table's new block then
+        never runs on from a stale one of the same key)."""
+        data = self.path.read_bytes()
+        table = parse(data, self.schema, exact=True)
+        rows = table.every_row if self.schema.blocks else table.rows
+        gone = [Rejected(i, reason, raw) for i, raw, v in rows if key_of(self.schema, v) in keys]
+        if not gone:
+            return []
+        self._set_aside(gone)
+        kept = [raw for i, raw, v in rows if key_of(self.schema, v) not in keys]
+        self._write_atomic(format_row(self.schema.columns).encode() + "".join(r + "\n" for r in kept).encode())
+        self.keys -= set(keys)
+        self.damaged -= set(keys)
+        self.rows = [v for v in self.rows if key_of(self.schema, v) not in keys]
+        lines = ", ".join(str(r.line) for r in gone[:8]) + (" ..." if len(gone) > 8 else "")
+        (warn or _warn_default)(f"{self.path} line(s) {lines}: {reason}; moved to {self.rejected_path.name}")
+        return gone
 
     def _set_aside(self, rejected: list[Rejected]) -> None:
         try:

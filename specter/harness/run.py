@@ -61,7 +61,7 @@ def prepare(cfg: DictConfig, num_prompts: int) -> Prepared:
     """Validate the config and the device, load the first `num_prompts` prompts of every dataset,
     resolve the checkpoint and tokenize: every failure here comes before a model loads."""
     validate(cfg)
-    resident_experts(cfg)
+    resident_experts(cfg, stated_experts=False)  # a stated model.num_experts is checked against the checkpoint
     device_and_dtype(cfg)  # a missing GPU is reported before anything loads
     datasets = expand_datasets(cfg.dataset.name)
     prompt_sets = {ds: load_prompt_set(ds, num_prompts, cfg.assets_dir, allow_hub=cfg.allow_hub) for ds in datasets}
@@ -83,6 +83,8 @@ def run(cfg: DictConfig) -> Path:
         writer = RecordWriter(out / "records.csv")
         base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
         _check_finished_prompts(out, writer, base, prompts)
+        side = SideTables(out)
+        repair_side_tables(out, writer, base, side)
         todo = [
             (ds, i, r)
             for ds in datasets
@@ -91,7 +93,7 @@ def run(cfg: DictConfig) -> Path:
             if not writer.is_done(tuple(str(v) for v in (*base.values(), ds, i, r)))
         ]
         if todo:
-            _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo)
+            _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo, side)
         else:
             print(f"{out}: every record is already finished; nothing to run (records are never overwritten).")
         summary = write_summary(out)
@@ -121,7 +123,30 @@ def _check_finished_prompts(out: Path, writer: RecordWriter, base: dict, prompts
         refuse_other_prompt(out, key[3], int(key[4]), digest, prompts)
 
 
-def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> None:
+def repair_side_tables(out: Path, writer: RecordWriter, base: dict, side: SideTables) -> None:
+    """Side tables hold whole blocks of finished records only, before anything is measured again.
+
+    A finished record whose routes/trace block lost a line (torn, invalid) is measured again, as a
+    torn record is: its record and its block are set aside. Blocks of records that never finished
+    (a run stopped between a block and its record) are set aside too, so the block a rerun appends
+    never runs on from a stale one of the same key."""
+    from specter.harness.artifacts import SIDE_TABLES
+
+    record_key = lambda k: (*base.values(), *k)  # noqa: E731 - side key (dataset, prompt_index, repeat)
+    for name in SIDE_TABLES:
+        if not (out / f"{name}.csv").exists():
+            continue
+        store = side.store(name)
+        lost = {k for k in store.damaged if record_key(k) in writer.done}
+        if lost:
+            writer.store.set_aside_keys({record_key(k) for k in lost}, f"its {name}.csv block lost a line")
+            store.set_aside_keys(lost, "a block that lost a line (its record is measured again)")
+        unfinished = {k for k in store.keys if record_key(k) not in writer.done}
+        if unfinished:
+            store.set_aside_keys(unfinished, "the block of a record that never finished (measured again)")
+
+
+def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo, side) -> None:
     from specter.models.registry import checkpoint_digest
 
     if cfg.hardware.get("threads"):
@@ -144,7 +169,6 @@ def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo) -> N
                                               method_config=OmegaConf.to_container(cfg.method, resolve=True)))
         ratios = run_load_ratios(cfg, checkpoint, method, step_s)  # each record's effective load ratio (load_ratio.py)
         static = {"hardware": cfg.hardware.name, "prefix_tokens": cfg.prefix_tokens, **method.static_fields()}
-        side = SideTables(out)
         for ds, i, r in tqdm(todo, desc=f"{cfg.method.name}/{cfg.model.name}", disable=not cfg.progress, unit="rec"):
             ids = encode(ds, i)
             seed = record_seed(cfg.seed, ds, i, r)
