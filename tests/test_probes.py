@@ -123,12 +123,14 @@ def test_plus_keys_the_schema_declares_still_work():
     assert unknown_keys(compose([])) == []
 
 
-@pytest.mark.parametrize("override", ["hydra.output_subdir=/tmp/elsewhere", "hydra.run.dir=/tmp/elsewhere",
+@pytest.mark.parametrize("override", ["hydra.output_subdir={elsewhere}", "hydra.run.dir={elsewhere}",
                                       "hydra.sweep.subdir=x", "hydra.job.chdir=true"])
 def test_hydra_output_locations_stay_fixed(override, tmp_path):
-    res = run_cli([*BASE, f"output_dir={tmp_path / 'o'}", override], cwd=tmp_path, timeout=120)
+    elsewhere = tmp_path / "elsewhere"  # outside the output folder, private to this test
+    res = run_cli([*BASE, f"output_dir={tmp_path / 'o'}", override.format(elsewhere=elsewhere)], cwd=tmp_path,
+                  timeout=120)
     one_error(res.returncode, res.stdout, res.stderr, "Hydra's output locations are fixed")
-    assert not (tmp_path / "o").exists() and not Path("/tmp/elsewhere/config.yaml").exists()
+    assert not (tmp_path / "o").exists() and not (elsewhere / "config.yaml").exists()
 
 
 # -- 4. one line, not a traceback ----------------------------------------------------------------------
