@@ -235,7 +235,7 @@ class Specter(Method):
         s = self.spec
         return SpeculativeEngine(self.rt, s.K, s.sampling, prefetch=s.prefetch, planner_config=s.planner,
                    planner_state=s.planner_state, expert_filter=self.expert_filter(), plan_cap=s.plan_cap,
-                   planner=self.planner(), drafter=self.drafter())
+                   planner=self.planner(), drafter=self.drafter(), trace_windows=s.trace_windows)
 
     def expert_filter(self):
         """Verification-time expert filter (None: every routed expert is computed, lossless)."""
@@ -271,7 +271,6 @@ class Specter(Method):
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         clock = CommitClock()
-        self.engine.trace_windows = bool(self.cfg.method.get("trace_windows"))  # measurement only, not the spec
         tokens, stats = self.engine.generate(prompt_ids, max_new_tokens, generator, clock)
         artifacts = {"routes": self.engine.route_log.rows()}
         if self.engine.tracer is not None:

@@ -100,6 +100,7 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
                       recalibrate=bool(hw.get("recalibrate"))),
         sequence_tokens=int(cfg.prefix_tokens + cfg.max_new_tokens), batch_sizes=sizes,
         verify_lossless=bool(cfg.get("verify_lossless")), tie_tolerance=float(cfg.get("lossless_tie_tolerance", 0.0)),
+        trace_windows=bool(m.get("trace_windows")),
     )
 
 
