@@ -44,6 +44,8 @@ class SpecMoEOffSpec(MethodSpec):
     """SpecMoEOff's spec: the common fields, plus the draft-step fractions its prefetches follow."""
 
     prefetch_at: tuple[float, ...] = (0.2, 0.6)
+    preset_residents: int = 0  # method.residents at this tier: slots per layer of the real model
+    real_experts: int = 0  # routed experts of the real model the preset counts
 
 
 class RouteFrequencyPlanner(PrefetchPlanner):
@@ -109,21 +111,22 @@ class SpecMoEOff(Specter):
             raise ConfigError(f"method.prefetch_at must be fractions of K in [0, 1], got {list(m.prefetch_at)}")
         if cfg.memory.name not in m.residents:
             raise ConfigError(f"method.residents has no entry for memory={cfg.memory.name} (it has {list(m.residents)})")
-        E = int(cfg.model.num_experts)
-        preset = max(1, min(E, round(int(m.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
+        E, listed, real = int(cfg.model.num_experts), int(m.residents[cfg.memory.name]), real_expert_count(cfg)
+        preset = max(1, min(E, round(listed * E / real)))
         base = replace(super().make_spec(cfg), K=K, quant=m.quant, resident=preset, prefetch=RouteFrequencyPlanner.name)
-        return extend_spec(base, SpecMoEOffSpec, prefetch_at=tuple(float(f) for f in m.prefetch_at))
+        return extend_spec(base, SpecMoEOffSpec, prefetch_at=tuple(float(f) for f in m.prefetch_at),
+                           preset_residents=listed, real_experts=real)
 
     def finish_runtime(self, rt: Runtime, draft: dict) -> Runtime:
         """The preset's residents, capped by what fits beside the separate draft instance (its own copy of
         every non-expert tensor, its KV for the same positions, its scratch), which is built here."""
-        spec, cfg = self.spec, self.cfg
+        spec = self.spec
         fp = rt.footprint
         self.draft_extra = {"non_expert": non_expert_bytes(rt.model), "kv_cache": fp.kv_cache, "scratch": fp.scratch}
         fixed = fp.total - fp.cache_slots + self.draft_bytes + sum(self.draft_extra.values())
         slot_row = len(rt.om.moe_layers) * rt.om.store.nbytes_per_expert
         fits = max(1, (rt.budget_bytes - fixed) // slot_row)
-        self.residents = {"preset": int(cfg.method.residents[cfg.memory.name]), "of_real_experts": real_expert_count(cfg),
+        self.residents = {"preset": spec.preset_residents, "of_real_experts": spec.real_experts,
                           "scaled": spec.resident, "fit_in_budget": int(fits), "used": int(min(spec.resident, fits))}
         M = self.residents["used"]
         design = replace(fp, cache_slots=M * slot_row, draft_experts=self.draft_bytes,
