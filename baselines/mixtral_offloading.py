@@ -22,15 +22,14 @@ original's fixed buffer_size of 4 is `method.staging_buffers=4`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.config import ConfigError, effective_K
-from specter.harness.methods import Method, OffloadAR
-from specter.harness.runtime import build_runtime, final_runtime, scratch_bytes, staging_for
+from specter.harness.methods import OffloadAR
+from specter.harness.runtime import final_runtime, scratch_bytes, staging_for
 from specter.models.facts import matching_preset, read_facts
 from specter.offload.budget import Footprint, staging_buffers
 from specter.offload.runtime import Runtime
@@ -64,32 +63,28 @@ class MixtralOffloadingSM(MixtralOffloading):
         return extend_spec(base, SameMemorySpec, specter_K=effective_K(cfg), residents=cfg.method.get("residents"),
                            presets=tuple(presets))
 
-    def __init__(self, cfg: DictConfig, checkpoint: Path):
-        Method.__init__(self, cfg, checkpoint)
+    def finish_runtime(self, rt: Runtime) -> Runtime:
+        """M' slots per layer: method.residents, else the artifact's preset for this checkpoint, else derived."""
         spec = self.spec
-        rt = build_runtime(spec, checkpoint)  # the tier's M first: the model is loaded once
-        try:
-            self.derivation = same_memory_residents(rt, K=spec.specter_K, specter_resident=spec.resident,
-                                                    sequence_tokens=spec.sequence_tokens, staging=spec.staging,
-                                                    staging_per_layer=spec.staging_per_layer)
-            found = matching_preset(spec.presets, read_facts(checkpoint))  # by the checkpoint's facts
-            preset = (found[1].get("slots") or {}).get(spec.memory) if found else None
-            explicit = spec.residents
-            M = explicit if explicit is not None else preset if preset is not None else self.derivation["resident"]
-            self.derivation["used"] = {"resident": M, "from": "method.residents" if explicit is not None else
-                                       f"method.presets[{found[0]}]" if preset is not None else "derived"}
-            if not isinstance(M, int) or not 1 <= M <= rt.om.num_experts:
-                raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {spec.model} has {rt.om.num_experts}")
-            # Specter's staging count; with a preset's slots, no more than the rule leaves beside them
-            staging = self.derivation["staging_buffers"]
-            if M != self.derivation["resident"]:
-                design = replace(rt.footprint, cache_slots=M * len(rt.om.moe_layers) * rt.om.store.nbytes_per_expert)
-                staging = min(staging, staging_for(spec, rt, design))
-            self.rt = final_runtime(rt, M, staging, what=f"{spec.model} mo_sm at memory={spec.memory} (M={M})")
-        except BaseException:
-            rt.close()
-            raise
-        self.derivation["used"]["footprint_bytes"] = self.rt.footprint.total
+        self.derivation = same_memory_residents(rt, K=spec.specter_K, specter_resident=spec.resident,
+                                                sequence_tokens=spec.sequence_tokens, staging=spec.staging,
+                                                staging_per_layer=spec.staging_per_layer)
+        found = matching_preset(spec.presets, read_facts(self.checkpoint))  # by the checkpoint's facts
+        preset = (found[1].get("slots") or {}).get(spec.memory) if found else None
+        explicit = spec.residents
+        M = explicit if explicit is not None else preset if preset is not None else self.derivation["resident"]
+        self.derivation["used"] = {"resident": M, "from": "method.residents" if explicit is not None else
+                                   f"method.presets[{found[0]}]" if preset is not None else "derived"}
+        if not isinstance(M, int) or not 1 <= M <= rt.om.num_experts:
+            raise ConfigError(f"mo_sm: {M!r} resident experts per layer; {spec.model} has {rt.om.num_experts}")
+        # Specter's staging count; with a preset's slots, no more than the rule leaves beside them
+        staging = self.derivation["staging_buffers"]
+        if M != self.derivation["resident"]:
+            design = replace(rt.footprint, cache_slots=M * len(rt.om.moe_layers) * rt.om.store.nbytes_per_expert)
+            staging = min(staging, staging_for(spec, rt, design))
+        final = final_runtime(rt, M, staging, what=f"{spec.model} mo_sm at memory={spec.memory} (M={M})")
+        self.derivation["used"]["footprint_bytes"] = final.footprint.total
+        return final
 
     def environment(self) -> dict[str, Any]:
         return {**super().environment(), "same_memory_derivation": self.derivation}

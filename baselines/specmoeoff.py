@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,8 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.compose import CONF_DIR
 from specter.harness.config import ConfigError
-from specter.harness.methods import Method, Specter
-from specter.harness.runtime import build_runtime, final_runtime, staging_for
+from specter.harness.methods import Specter
+from specter.harness.runtime import final_runtime, staging_for
 from specter.models.loading import non_expert_bytes
 from specter.moe import DraftExecutor, MoERuntime, SpecterExperts
 from specter.offload.runtime import Runtime
@@ -45,6 +44,8 @@ class SpecMoEOffSpec(MethodSpec):
     """SpecMoEOff's spec: the common fields, plus the draft-step fractions its prefetches follow."""
 
     prefetch_at: tuple[float, ...] = (0.2, 0.6)
+    preset_residents: int = 0  # method.residents at this tier: slots per layer of the real model
+    real_experts: int = 0  # routed experts of the real model the preset counts
 
 
 class RouteFrequencyPlanner(PrefetchPlanner):
@@ -110,43 +111,33 @@ class SpecMoEOff(Specter):
             raise ConfigError(f"method.prefetch_at must be fractions of K in [0, 1], got {list(m.prefetch_at)}")
         if cfg.memory.name not in m.residents:
             raise ConfigError(f"method.residents has no entry for memory={cfg.memory.name} (it has {list(m.residents)})")
-        E = int(cfg.model.num_experts)
-        preset = max(1, min(E, round(int(m.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
+        E, listed, real = int(cfg.model.num_experts), int(m.residents[cfg.memory.name]), real_expert_count(cfg)
+        preset = max(1, min(E, round(listed * E / real)))
         base = replace(super().make_spec(cfg), K=K, quant=m.quant, resident=preset, prefetch=RouteFrequencyPlanner.name)
-        return extend_spec(base, SpecMoEOffSpec, prefetch_at=tuple(float(f) for f in m.prefetch_at))
+        return extend_spec(base, SpecMoEOffSpec, prefetch_at=tuple(float(f) for f in m.prefetch_at),
+                           preset_residents=listed, real_experts=real)
 
-    def __init__(self, cfg: DictConfig, checkpoint: Path):
-        Method.__init__(self, cfg, checkpoint)  # not Specter's: its draft is a model of its own
-        spec, m = self.spec, cfg.method
-        self.K, self.quant = spec.K, spec.quant
-        rt = build_runtime(spec, checkpoint)  # the preset's residents; capped below by what fits beside the draft
-        try:
-            experts = self.build_draft_experts(rt)
-            fp = rt.footprint
-            # The draft's own copy of every non-expert tensor, its KV for the same positions, its scratch.
-            self.draft_extra = {"non_expert": non_expert_bytes(rt.model), "kv_cache": fp.kv_cache, "scratch": fp.scratch}
-            fixed = fp.total - fp.cache_slots + self.draft_bytes + sum(self.draft_extra.values())
-            slot_row = len(rt.om.moe_layers) * rt.om.store.nbytes_per_expert
-            fits = max(1, (rt.budget_bytes - fixed) // slot_row)
-            self.residents = {"preset": int(m.residents[cfg.memory.name]), "of_real_experts": real_expert_count(cfg),
-                              "scaled": spec.resident, "fit_in_budget": int(fits),
-                              "used": int(min(spec.resident, fits))}
-            M = self.residents["used"]
-            design = replace(fp, cache_slots=M * slot_row, draft_experts=self.draft_bytes,
-                             draft_non_expert=self.draft_extra["non_expert"],
-                             kv_cache=fp.kv_cache + self.draft_extra["kv_cache"],
-                             scratch=fp.scratch + self.draft_extra["scratch"])
-            self.rt = final_runtime(rt, M, staging_for(spec, rt, design), draft_bytes=self.draft_bytes,
-                                    separate_draft=self.draft_extra,
-                                    what=f"{spec.model} specmoeoff at memory={spec.memory} (M={M})")
-            self.draft_model, self.draft_moe = separate_draft_instance(self.rt, experts)
-        except BaseException:
-            rt.close()
-            raise
-        self.engine = self.make_engine()
-        self.batch_engines = []
-        self.verify = spec.verify_lossless and self.params.temperature == 0
-        self.tie_tolerance = spec.tie_tolerance
+    def finish_runtime(self, rt: Runtime, draft: dict) -> Runtime:
+        """The preset's residents, capped by what fits beside the separate draft instance (its own copy of
+        every non-expert tensor, its KV for the same positions, its scratch), which is built here."""
+        spec = self.spec
+        fp = rt.footprint
+        self.draft_extra = {"non_expert": non_expert_bytes(rt.model), "kv_cache": fp.kv_cache, "scratch": fp.scratch}
+        fixed = fp.total - fp.cache_slots + self.draft_bytes + sum(self.draft_extra.values())
+        slot_row = len(rt.om.moe_layers) * rt.om.store.nbytes_per_expert
+        fits = max(1, (rt.budget_bytes - fixed) // slot_row)
+        self.residents = {"preset": spec.preset_residents, "of_real_experts": spec.real_experts,
+                          "scaled": spec.resident, "fit_in_budget": int(fits), "used": int(min(spec.resident, fits))}
+        M = self.residents["used"]
+        design = replace(fp, cache_slots=M * slot_row, draft_experts=self.draft_bytes,
+                         draft_non_expert=self.draft_extra["non_expert"],
+                         kv_cache=fp.kv_cache + self.draft_extra["kv_cache"],
+                         scratch=fp.scratch + self.draft_extra["scratch"])
+        final = final_runtime(rt, M, staging_for(spec, rt, design), draft_bytes=self.draft_bytes,
+                              separate_draft=self.draft_extra,
+                              what=f"{spec.model} specmoeoff at memory={spec.memory} (M={M})")
+        self.draft_model, self.draft_moe = separate_draft_instance(final, draft)
+        return final
 
     def planner(self) -> RouteFrequencyPlanner:
         return RouteFrequencyPlanner(self.K, self.rt.om.store.nbytes_per_expert, self.spec.prefetch_at)

@@ -23,14 +23,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from specter.harness.compose import compose
     from specter.harness.errors import USER_ERRORS, report
-    from specter.harness.runtime import build_runtime, gptq_draft_for, model_checkpoint
+    from specter.harness.runtime import build_runtime, gptq_draft_for, method_spec, model_checkpoint
 
     cfg = compose(["method=specter", "method.quant=gptq", *args])
     try:
         checkpoint = model_checkpoint(cfg)
-        rt = build_runtime(cfg, checkpoint)
+        rt = build_runtime(method_spec(cfg), checkpoint)
         try:
-            layers, info = gptq_draft_for(cfg, rt, checkpoint)
+            layers, info = gptq_draft_for(method_spec(cfg), rt, checkpoint)
         finally:
             rt.close()
     except USER_ERRORS as err:

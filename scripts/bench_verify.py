@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "bench" / "verify_schedule.csv"))
     args = ap.parse_args(argv)
 
-    from specter.harness.runtime import build_runtime, model_checkpoint
+    from specter.harness.runtime import build_runtime, method_spec, model_checkpoint
 
     rows = []
     for model in args.models:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = compose([f"model={model}", f"memory={memory}", "method=offload_ar", f"hardware={args.hardware}",
                            f"model.trained={not args.untrained}"])
             torch.set_num_threads(int(cfg.hardware.threads or torch.get_num_threads()))
-            rt = build_runtime(cfg, model_checkpoint(cfg))
+            rt = build_runtime(method_spec(cfg), model_checkpoint(cfg))
             g = torch.Generator().manual_seed(0)
             vocab = rt.model.config.vocab_size
             prompt = torch.randint(2, vocab, (1, 16), generator=g)

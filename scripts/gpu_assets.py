@@ -19,7 +19,7 @@ GPTQ_RUN = ("model=tiny_phi", "method=specter", "method.quant=gptq", "memory=low
 def main(argv: list[str] | None = None) -> int:
     from specter.harness.compose import compose
     from specter.harness.config import effective_K
-    from specter.harness.runtime import build_runtime, gptq_draft_for, model_checkpoint
+    from specter.harness.runtime import build_runtime, gptq_draft_for, method_spec, model_checkpoint
     from specter.paths import specter_home
 
     if "--print-overrides" in (argv if argv is not None else sys.argv[1:]):
@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = compose([*GPTQ_RUN, "hardware=cpu"])
     checkpoint = model_checkpoint(cfg)
-    rt = build_runtime(cfg, checkpoint, K=effective_K(cfg))
+    rt = build_runtime(method_spec(cfg), checkpoint, K=effective_K(cfg))
     try:
-        _, info = gptq_draft_for(cfg, rt, checkpoint)
+        _, info = gptq_draft_for(method_spec(cfg), rt, checkpoint)
     finally:
         rt.close()
     print(f"gpu_assets: {checkpoint} and its GPTQ draft {info['draft_archive']} "

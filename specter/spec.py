@@ -89,6 +89,8 @@ class MethodSpec:
     # checks
     verify_lossless: bool = False
     tie_tolerance: float = 0.0
+    # measurement
+    trace_windows: bool = False  # record every window's pipeline events (trace.csv; host-timed links)
 
     @property
     def torch_device(self) -> torch.device:

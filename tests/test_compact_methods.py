@@ -71,7 +71,7 @@ def test_batched_decoding_stays_on_transformers_modules(tiny_checkpoint):
         engine = m.make_engine()
         engine.begin_run()
         assert engine.model is m.rt.model and engine.kv.model is m.rt.model
-        engine.begin_run(single=True)  # one request: the decode path's own cache
+        engine.begin_run(engine.sequence_rows)  # one request: the decode path's own cache
         assert engine.new_rows([]).model is m.rt.forward_model is not m.rt.model
         with pytest.raises(ValueError, match="attention_mask"):
             m.rt.forward_model(input_ids=PROMPTS[0], attention_mask=torch.ones_like(PROMPTS[0]))

@@ -19,18 +19,18 @@ def specter_home(tmp_path, monkeypatch, tiny_checkpoint):
 
 
 def test_gptq_draft_is_cached_and_checksummed(tiny_checkpoint, specter_home):
-    from specter.harness.runtime import build_runtime, gptq_draft_for
+    from specter.harness.runtime import build_runtime, gptq_draft_for, method_spec
     from specter.quant.calibration import CorruptDraft, load_draft
 
     ck = tiny_checkpoint("tiny_phi")
     cfg = compose(["model=tiny_phi", "method=specter", "method.quant=gptq", "method.calibration_prompts=4",
                    f"assets_dir={FIXTURES / 'datasets'}", "dataset=gsm8k", "num_prompts=1"])
-    rt = build_runtime(cfg, ck, K=4)
+    rt = build_runtime(method_spec(cfg), ck, K=4)
     try:
-        layers, info = gptq_draft_for(cfg, rt, ck)
+        layers, info = gptq_draft_for(method_spec(cfg), rt, ck)
         assert not info["cached"] and info["calibration_prompts"] >= 1
         assert all(d.gate_up.method == "gptq" for d in layers.values())
-        again, info2 = gptq_draft_for(cfg, rt, ck)
+        again, info2 = gptq_draft_for(method_spec(cfg), rt, ck)
         assert info2["cached"] and info2["draft_archive"] == info["draft_archive"]
         for layer in layers:
             assert torch.equal(again[layer].gate_up.qweight, layers[layer].gate_up.qweight)

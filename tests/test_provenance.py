@@ -120,7 +120,7 @@ def test_draft_and_link_caches_are_keyed_by_weights(replaced_weights, monkeypatc
     monkeypatch.setattr(runtime, "calibrated_link", lambda eb, lr, path, *a, **k: (links.append(path), params)[1])
     for ckpt in (src, copy):
         rt = SimpleNamespace(weights_digest=checkpoint_digest(ckpt), cache=SimpleNamespace(device=torch.device("cpu")))
-        runtime.gptq_draft_for(cfg, rt, ckpt)
+        runtime.gptq_draft_for(runtime.method_spec(cfg), rt, ckpt)
         runtime.link_params(runtime.method_spec(cfg), ckpt, 1024, checkpoint_digest(ckpt))
     assert len(set(drafts)) == 2 and len(set(links)) == 2
 

@@ -152,12 +152,16 @@ class OffloadAR(Method):
         super().__init__(cfg, checkpoint)
         rt = build_runtime(self.spec, checkpoint)  # the tier's M slots: the design, before any staging buffer
         try:
-            rt.check_budget(self.spec.describe())
-            self.rt = final_runtime(rt, self.spec.resident, staging_for(self.spec, rt, rt.footprint),
-                                    what=self.spec.describe())
+            self.rt = self.finish_runtime(rt)
         except BaseException:
             rt.close()
             raise
+
+    def finish_runtime(self, rt: Runtime) -> Runtime:
+        """The runtime this method decodes through, from the first one at the tier's M: the final residents
+        and staging buffers (a baseline with its own sizing rule overrides this)."""
+        rt.check_budget(self.spec.describe())
+        return final_runtime(rt, self.spec.resident, staging_for(self.spec, rt, rt.footprint), what=self.spec.describe())
 
     def reset(self) -> None:
         self.rt.cache.reset()  # initial residents, counters cleared; outside timing
@@ -202,11 +206,7 @@ class Specter(Method):
         self.K, self.quant = spec.K, spec.quant
         rt = build_runtime(spec, checkpoint)  # the tier's M; its final size once the draft's bytes are known
         try:
-            draft = self.build_draft_experts(rt)
-            rt.check_budget(spec.describe())  # the M slots beside the draft, before any staging buffer
-            staging = staging_for(spec, rt, replace(rt.footprint, draft_experts=self.draft_bytes))
-            self.rt = final_runtime(rt, spec.resident, staging, draft=draft, draft_bytes=self.draft_bytes,
-                                    what=spec.describe())
+            self.rt = self.finish_runtime(rt, self.build_draft_experts(rt))
         except BaseException:
             rt.close()
             raise
@@ -214,6 +214,14 @@ class Specter(Method):
         self.batch_engines: list[SpeculativeEngine] = []
         self.verify = spec.verify_lossless and self.params.temperature == 0
         self.tie_tolerance = spec.tie_tolerance
+
+    def finish_runtime(self, rt: Runtime, draft: dict) -> Runtime:
+        """The runtime this method decodes through, from the first one at the tier's M and the INT4 draft
+        experts: the final residents and staging buffers beside the draft (a baseline overrides this)."""
+        spec = self.spec
+        rt.check_budget(spec.describe())  # the M slots beside the draft, before any staging buffer
+        staging = staging_for(spec, rt, replace(rt.footprint, draft_experts=self.draft_bytes))
+        return final_runtime(rt, spec.resident, staging, draft=draft, draft_bytes=self.draft_bytes, what=spec.describe())
 
     @property
     def draft(self) -> dict:
@@ -235,7 +243,7 @@ class Specter(Method):
         s = self.spec
         return SpeculativeEngine(self.rt, s.K, s.sampling, prefetch=s.prefetch, planner_config=s.planner,
                    planner_state=s.planner_state, expert_filter=self.expert_filter(), plan_cap=s.plan_cap,
-                   planner=self.planner(), drafter=self.drafter())
+                   planner=self.planner(), drafter=self.drafter(), trace_windows=s.trace_windows)
 
     def expert_filter(self):
         """Verification-time expert filter (None: every routed expert is computed, lossless)."""
@@ -271,7 +279,6 @@ class Specter(Method):
 
     def generate(self, prompt_ids, max_new_tokens, generator):
         clock = CommitClock()
-        self.engine.trace_windows = bool(self.cfg.method.get("trace_windows"))  # measurement only, not the spec
         tokens, stats = self.engine.generate(prompt_ids, max_new_tokens, generator, clock)
         artifacts = {"routes": self.engine.route_log.rows()}
         if self.engine.tracer is not None:

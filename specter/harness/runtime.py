@@ -100,6 +100,7 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
                       recalibrate=bool(hw.get("recalibrate"))),
         sequence_tokens=int(cfg.prefix_tokens + cfg.max_new_tokens), batch_sizes=sizes,
         verify_lossless=bool(cfg.get("verify_lossless")), tie_tolerance=float(cfg.get("lossless_tie_tolerance", 0.0)),
+        trace_windows=bool(m.get("trace_windows")),
     )
 
 
@@ -156,16 +157,14 @@ def scratch_bytes(model_config, K: int, batch_size: int, dtype: torch.dtype) -> 
     return batch_size * (K + 1) * (model_config.hidden_size * 8 + model_config.vocab_size) * torch.finfo(dtype).bits // 8
 
 
-def build_runtime(spec: MethodSpec | DictConfig, checkpoint: Path, resident: int | None = None,
+def build_runtime(spec: MethodSpec, checkpoint: Path, resident: int | None = None,
                   staging: int = 0, batch_size: int = 1, K: int | None = None) -> Runtime:
     """The model, host store, link and a cache of `resident` slots per MoE layer (default: the
     spec's M) and `staging` staging buffers (no draft; the budget is not checked yet).
 
     A method whose final cache size or draft follow from bytes only known once the model is loaded
-    builds this first, then its final runtime once with `final_runtime`. Scripts may pass a config
-    (read into its spec here) and a K (default: the spec's) to reserve KV and scratch for."""
-    if not isinstance(spec, MethodSpec):
-        spec = method_spec(spec)
+    builds this first, then its final runtime once with `final_runtime`. Scripts pass their config's
+    spec (`method_spec(cfg)`) and may pass a K (default: the spec's) to reserve KV and scratch for."""
     if spec.decode_path == "compiled":
         raise ConfigError(f"{spec.method}: method.decode_path=compiled traces the whole one-token step, which needs "
                           "every expert resident (target_only); offloading methods decide residency on the host "
@@ -267,15 +266,12 @@ def calibration_batches(cal: CalibrationSpec, tokenizer, device: torch.device,
     return batches
 
 
-def gptq_draft_for(spec: MethodSpec | DictConfig, rt: Runtime, checkpoint: Path, group_size: int = 128):
-    """The GPTQ draft of this run: cached under $SPECTER_HOME keyed by weights and calibration tokens
-    (scripts may pass a config, read into its spec here)."""
+def gptq_draft_for(spec: MethodSpec, rt: Runtime, checkpoint: Path, group_size: int = 128):
+    """The GPTQ draft of this run: cached under $SPECTER_HOME keyed by weights and calibration tokens."""
     from transformers import AutoTokenizer
 
     from specter.quant.calibration import calibration_digest, gptq_draft
 
-    if not isinstance(spec, MethodSpec):
-        spec = method_spec(spec)
     if spec.calibration.prompts < 1:
         raise ConfigError(f"method.calibration_prompts must be >= 1, got {spec.calibration.prompts}")
     batches = calibration_batches(spec.calibration, AutoTokenizer.from_pretrained(checkpoint), rt.cache.device)

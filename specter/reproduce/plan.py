@@ -9,9 +9,10 @@ benchmarks (draft kernel, verification schedule, prefetch ablation) -> make_figu
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from specter.harness.schema import SpecterMethodConfig
 from specter.reproduce.datasets import DatasetDecision, dataset_overrides
 from specter.reproduce.protocol import protocol
 from specter.reproduce.settings import REPO, Settings
@@ -198,7 +199,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                          units=len(batch.batch_sizes), model=m, method=method)
 
     trace_ok = "specter" in s.methods and s.hardware != "cuda" and \
-        "trace_windows" in (repo / "specter" / "harness" / "schema.py").read_text(encoding="utf-8")
+        "trace_windows" in {f.name for f in fields(SpecterMethodConfig)}
     if trace_ok:
         trace_ds = primary(data.ready)
         for m in s.models:

@@ -94,7 +94,7 @@ class BatchRun:
 class BatchLoop:
     """Request admission, retirement and the step loop shared by the batched decoders.
 
-    A subclass provides ``_target`` and ``_iterate`` (and may choose its rows: ``new_rows``).
+    A subclass provides ``_prefill`` and ``_iterate`` (and may choose its rows: ``new_rows``).
     Requests may be submitted at any time; they join at the next step, after a prefill of their own.
     """
 
@@ -183,9 +183,9 @@ class BatchLoop:
         """Empty KV rows for the ``entering`` requests (``[]``: the running batch's)."""
         return BatchKV(self.model, self.device, self.max_holes)
 
-    def _target(self, rows, ids: torch.Tensor, mode: str, token_valid: torch.Tensor | None = None,
-                host_compute: bool = False) -> torch.Tensor:
-        """Target logits ``[B, T, V]`` of ``ids [B, T]`` on ``rows``; ``mode`` is prefill | verify | probe."""
+    def _prefill(self, rows, ids: torch.Tensor, token_valid: torch.Tensor | None) -> torch.Tensor:
+        """Target logits ``[B, P, V]`` of the padded prompts ``ids [B, P]`` on fresh ``rows``
+        (``token_valid [B, P]``: False at padding; None: no padding)."""
         raise NotImplementedError
 
     def _iterate(self) -> None:
@@ -200,7 +200,7 @@ class BatchLoop:
         fresh = self.new_rows([req for req, _ in entering])
         pad = getattr(self.model.config, "pad_token_id", None) or 0
         ids, token_valid = fresh.prefill_inputs([p for _, p in entering], pad)  # [B_new, P] each
-        logits = self._target(fresh, ids, "prefill", token_valid)[:, -1]  # [B_new, V]
+        logits = self._prefill(fresh, ids, token_valid)[:, -1]  # [B_new, V]
         for b, (req, _) in enumerate(entering):
             req.tokens = [next_token(logits[b], self.params, req.generator)]
             req.clock.commit(1)
@@ -262,7 +262,8 @@ class BatchedAutoregressive(BatchLoop):
         self.iterations = 0
         self.busy0 = self.moe.target.cache.link.busy_seconds if self.moe is not None else 0.0
 
-    def _target(self, rows, ids, mode, token_valid=None, host_compute=False):
+    def _target(self, rows, ids: torch.Tensor, token_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Target logits ``[B, T, V]``; with a runtime, one route-log window, padded tokens routed to no expert."""
         if self.moe is None:
             return rows.run(ids)
         self.route_log.begin_window()
@@ -270,8 +271,11 @@ class BatchedAutoregressive(BatchLoop):
         with self.moe.mode("target", route_log=self.route_log, expert_filter=flt):
             return rows.run(ids)
 
+    def _prefill(self, rows, ids, token_valid):
+        return self._target(rows, ids, token_valid)
+
     def _iterate(self) -> None:
-        logits = self._target(self.kv, self._last_tokens(), "verify")[:, -1]  # [B, V]
+        logits = self._target(self.kv, self._last_tokens())[:, -1]  # [B, V]
         if self.moe is not None:
             self.step_windows.append(len(self.route_log.windows) - 1)
         if self.params.greedy:

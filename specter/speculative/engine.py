@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -113,6 +113,183 @@ def prefetch_at_boundary(cache, planner, step: int, plan: dict[int, list[int]], 
     return sum(cache.prefetch(ExpertUID(layer, expert)) is None for layer, expert in decision.batch)
 
 
+class WindowRecorder:
+    """Everything one run records about its windows, kept apart from the loop that makes them.
+
+    Per run (`begin_run`): the `WindowTrace` counters, the target's route log, the verification
+    windows among its entries, the optional `WindowTracer`, the iterations and the link's busy
+    time at the start. Per window: its timing marks, the link's bytes and busy time, the experts
+    the window's plans predicted (scored against what verification used)."""
+
+    def __init__(self, link, layers: list[int], trace_windows: bool = False):
+        self.link, self.layers, self.trace_windows = link, layers, trace_windows
+        self.begin_run()
+
+    def begin_run(self) -> None:
+        self.trace = WindowTrace()
+        self.route_log = RouteLog()
+        self.tracer = WindowTracer() if self.trace_windows else None
+        self.verify_windows: list[int] = []  # route-log windows of verification passes
+        self.iterations = 0
+        self.busy0 = self.link.busy_seconds
+        self.predicted: dict[int, set[int]] = defaultdict(set)
+        self.marks: list[float] = []
+        self.window0 = (0, 0.0)
+
+    def observing(self):
+        """While the run steps: the link reports every copy to the tracer (when tracing)."""
+        return _LinkObserver(self.link, self.tracer.on_copy if self.tracer is not None else None)
+
+    def begin_window(self, cache, Kb: int) -> None:
+        self.window0 = (self.link.bytes_copied, self.link.busy_seconds)
+        self.predicted = defaultdict(set)
+        if self.tracer is not None:
+            self.tracer.begin_window({layer: cache.resident(layer) for layer in self.layers}, Kb)
+        self.marks = [time.perf_counter()]
+
+    def lap(self) -> None:
+        """The window's current phase ended (draft, then verification)."""
+        self.marks.append(time.perf_counter())
+
+    def verified(self) -> None:
+        """The last route-log window was a verification pass (the working-set columns count those)."""
+        self.verify_windows.append(len(self.route_log.windows) - 1)
+
+    def plan(self, plan: dict[int, list[int]]) -> None:
+        """Experts a plan of this window predicted (scored by `score_prediction`)."""
+        for layer, experts in plan.items():
+            self.predicted[layer].update(experts)
+
+    def boundary(self, start: float, bytes_before: int, step: int, phase: str, dropped: int) -> None:
+        self.trace.dropped_prefetches += dropped
+        if self.tracer is not None:
+            self.tracer.span("boundary", start, time.perf_counter(), bytes=self.link.bytes_copied - bytes_before,
+                             phase=f"step {step}: {phase}")
+
+    def score_prediction(self, plan_capacity: dict[int, int]) -> None:
+        actual, trace = self.route_log.windows[-1], self.trace
+        for layer in self.layers:
+            pred, act = self.predicted.get(layer, set()), actual.get(layer, set())
+            trace.predicted_hits += len(pred & act)
+            trace.predicted += len(pred)
+            trace.actual_capped += min(len(act), max(len(pred), plan_capacity[layer]))
+
+    def end_window(self, reqs: list[Request], limits: list[int], accepted: list[int], Kb: int) -> tuple[int, float]:
+        """Count the window's drafts and acceptances; returns the link's (bytes, busy seconds) during it."""
+        t0, t1, t2 = self.marks
+        for b, req in enumerate(reqs):
+            if limits[b] > 0:
+                req.drafted.append(limits[b])
+                req.accepted.append(accepted[b])
+        self.trace.drafted.append(sum(limits))
+        self.trace.accepted.append(sum(accepted))
+        moved, busy = self.link.bytes_copied - self.window0[0], self.link.busy_seconds - self.window0[1]
+        self.trace.windows.append({"draft_s": t1 - t0, "verify_s": t2 - t1, "h2d_bytes": moved,
+                                   "link_busy_s": busy, "batch": len(reqs), "Kb": Kb})
+        if self.tracer is not None:
+            info = self.tracer.windows[-1]
+            info.draft_ms, info.verify_ms, info.accepted = (t1 - t0) * 1e3, (t2 - t1) * 1e3, sum(accepted)
+            info.used = {layer: set(e) for layer, e in self.route_log.windows[-1].items()}
+            self.tracer.span("draft", t0, t1)
+            self.tracer.span("verify", t1, t2)
+        self.iterations += 1
+        return moved, busy
+
+
+class _LinkObserver:
+    def __init__(self, link, observer):
+        self.link, self.observer = link, observer
+
+    def __enter__(self):
+        self.link.observer = self.observer
+
+    def __exit__(self, *exc):
+        self.link.observer = None
+
+
+class PlannerMemory:
+    """The planner's estimates at the start of each record: "warm" (the snapshot `mark_warm` took after
+    the warm-up), "cold" (the paper's initial values) or "carry" (whatever the previous record learned)."""
+
+    def __init__(self, planner: PrefetchPlanner, state: PlannerState):
+        if state not in PLANNER_STATES:
+            raise ValueError(f"unknown planner_state {state!r}; choose one of {PLANNER_STATES}")
+        self.planner, self.state = planner, state
+        self.cold = self.warm = planner.snapshot()
+
+    def mark_warm(self) -> None:
+        self.warm = self.planner.snapshot()
+
+    def reset(self) -> None:
+        if self.state == "warm":
+            self.planner.restore(self.warm)
+        elif self.state == "cold":
+            self.planner.restore(self.cold)
+
+
+class WindowPrefetch:
+    """What a window prefetches while it drafts. This one: nothing (``prefetch=none``)."""
+
+    elb: ExpertLoadBuffer | None = None  # the draft's route counts (None: nothing counts them)
+
+    def before_draft(self, engine: SpeculativeEngine, last: torch.Tensor, Kb: int) -> None:
+        """Before the window's first draft step."""
+
+    def boundary(self, engine: SpeculativeEngine, step: int) -> None:
+        """At a planner boundary (after draft step ``step``), where the draft's routes are counted."""
+
+    def end_draft(self) -> None:
+        """After the window's last draft step."""
+
+
+class BoundaryPrefetch(WindowPrefetch):
+    """The paper's prefetch: the ELB counts the draft's routes; at each planner boundary b_i its top-M
+    plan per layer is made resident (`prefetch_at_boundary`)."""
+
+    def __init__(self, layers: list[int], num_experts: int, device: torch.device):
+        self.elb = ExpertLoadBuffer(layers, num_experts, device)
+
+    def boundary(self, engine: SpeculativeEngine, step: int) -> None:
+        plan = self.elb.snapshot_plan(engine.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
+        engine.recorder.plan(plan)
+        t0, before = time.perf_counter(), engine.rt.link.bytes_copied
+        dropped = prefetch_at_boundary(engine.rt.cache, engine.planner, step, plan, engine.plan_capacity)
+        engine.recorder.boundary(t0, before, step, engine.planner.trace[-1].phase, dropped)
+
+    def end_draft(self) -> None:
+        self.elb.clear()  # later evidence is discarded; nothing carries into the next window
+
+
+class OraclePrefetch(WindowPrefetch):
+    """Ablation upper bound: an untimed greedy dry run of Kb+1 steps from the host store learns the
+    target's true experts for every request; the top-M per layer (by steps using them) are prefetched."""
+
+    def before_draft(self, engine: SpeculativeEngine, last: torch.Tensor, Kb: int) -> None:
+        log, start, tok = RouteLog(), time.perf_counter(), last
+        for _ in range(Kb + 1):  # the Kb+1 verified positions of a fully accepted greedy window
+            log.begin_window()  # one window per position: counts = positions using an expert
+            tok = engine.probe_pass(tok, log)[:, -1].argmax(-1)[:, None]
+        engine.kv.discard_pending()
+        plan = oracle_plan(log.windows, engine.plan_capacity)
+        engine.recorder.trace.dropped_prefetches += prefetch_plan(engine.rt.cache, plan)
+        engine.recorder.plan(plan)
+        spent = time.perf_counter() - start
+        for req in engine.active:
+            req.clock.exclude(spent)  # the probe is not part of the measured run
+
+
+def window_prefetch(policy: str, layers: list[int], num_experts: int, device: torch.device) -> WindowPrefetch:
+    """The prefetch a named policy makes: none, the oracle's, or the ELB's at the planner's boundaries."""
+    if policy == "none":
+        return WindowPrefetch()
+    if policy == "oracle":
+        return OraclePrefetch()
+    return BoundaryPrefetch(layers, num_experts, device)
+
+
+RowFactory = Callable[[list[Request]], Any]  # entering requests -> empty KV rows for them
+
+
 class SpeculativeEngine(BatchLoop):
     """Draft with INT4 experts, prefetch by the planner, verify expert-wise with the target.
 
@@ -123,62 +300,63 @@ class SpeculativeEngine(BatchLoop):
     def __init__(self, rt: Runtime, K: int, params: SamplingParams, prefetch: str = "adaptive",
                  planner_config: PlannerConfig | None = None, planner_state: PlannerState = "warm",
                  expert_filter: ExpertFilter | None = None, plan_cap: int | None = None,
-                 planner: PrefetchPlanner | None = None, drafter: SharedDrafter | None = None, max_holes: int = 0):
+                 planner: PrefetchPlanner | None = None, drafter: SharedDrafter | None = None, max_holes: int = 0,
+                 trace_windows: bool = False):
         """``planner`` (a policy object) replaces the named ``prefetch`` policy; ``drafter`` replaces the
-        shared-instance INT4 draft; ``expert_filter`` applies to verification passes only."""
+        shared-instance INT4 draft; ``expert_filter`` applies to verification passes only;
+        ``trace_windows`` records a `WindowTracer` per run (host-timed links)."""
         if K < 1:
             raise ValueError(f"K must be >= 1, got {K}")
         if planner is None and prefetch not in POLICIES:
             raise ValueError(f"unknown prefetch policy {prefetch!r}; choose one of {POLICIES}")
-        if planner_state not in PLANNER_STATES:
-            raise ValueError(f"unknown planner_state {planner_state!r}; choose one of {PLANNER_STATES}")
+        self.rt, self.K, self.params, self.expert_filter, self.max_holes = rt, K, params, expert_filter, max_holes
         self.planner = planner or make_policy(prefetch, K, rt.om.store.nbytes_per_expert, planner_config)
-        self.rt, self.K, self.params, self.prefetch = rt, K, params, self.planner.name
-        self.planner_state, self.expert_filter, self.max_holes = planner_state, expert_filter, max_holes
-        self.model = rt.model  # batched rows run transformers' modules; one request runs `rt.forward_model`
-        self.cache, self.moe, self.layers, self.num_experts = rt.cache, rt.moe, rt.om.moe_layers, rt.om.num_experts
-        self.drafter = drafter or SharedDrafter(self.moe)
-        self.capacity = {layer: self.cache.capacity(layer) for layer in self.layers}  # M per layer
+        self.memory = PlannerMemory(self.planner, planner_state)
+        self.drafter = drafter or SharedDrafter(rt.moe)
+        self.device = next(rt.model.parameters()).device
+        capacity = {layer: rt.cache.capacity(layer) for layer in self.layers}  # M per layer
         # experts a window's plan keeps per layer; a verifier that computes at most `plan_cap` experts per
         # layer (MoE-Spec's budget) caps it, so the planner predicts no more than verification can use
-        self.plan_capacity = plan_capacity(self.capacity, getattr(self.cache, "staging", 0), plan_cap)
-        self.device = next(rt.model.parameters()).device
-        counted = self.prefetch not in ("none", "oracle")  # the oracle plans from a probe, not the ELB
-        self.elb = ExpertLoadBuffer(self.layers, rt.om.num_experts, self.device) if counted else None
-        self.cold = self.warm = self.planner.snapshot()
-        self.timer = StepTimer(self.device)
-        self.trace_windows = False  # True: record a WindowTracer per run (host-timed links)
+        self.plan_capacity = plan_capacity(capacity, getattr(rt.cache, "staging", 0), plan_cap)
+        self.prefetcher = window_prefetch(self.planner.name, self.layers, rt.om.num_experts, self.device)
+        self.recorder = WindowRecorder(rt.link, self.layers, trace_windows)
         self.begin_run()
+
+    # ------------------------------------------------------------------------------ views
+    model = property(lambda self: self.rt.model, doc="batched rows run transformers' modules")
+    cache = property(lambda self: self.rt.cache)
+    layers = property(lambda self: self.rt.om.moe_layers)
+    prefetch = property(lambda self: self.planner.name, doc="the prefetch policy's name")
+    planner_state = property(lambda self: self.memory.state)
+    elb = property(lambda self: self.prefetcher.elb)
+    trace = property(lambda self: self.recorder.trace)
+    route_log = property(lambda self: self.recorder.route_log)
+    tracer = property(lambda self: self.recorder.tracer)
+    iterations = property(lambda self: self.recorder.iterations)
 
     # ------------------------------------------------------------------------------ state
     def mark_warm(self) -> None:
         """Snapshot the planner's estimates (call after the warm-up); "warm" records start from it."""
-        self.warm = self.planner.snapshot()
+        self.memory.mark_warm()
 
     def reset(self) -> None:
         """Bring the planner to the documented per-record state (the caller resets the cache)."""
-        if self.planner_state == "warm":
-            self.planner.restore(self.warm)
-        elif self.planner_state == "cold":
-            self.planner.restore(self.cold)
+        self.memory.reset()
 
-    def begin_run(self, single: bool = False) -> None:
-        """Fresh run state: one request on the decode path's own cache (``single``), or batched rows."""
-        self.single = single
+    def begin_run(self, rows: RowFactory | None = None) -> None:
+        """Fresh run state, its requests' KV rows from ``rows`` (default: batched rows, `BatchKV`)."""
+        self.rows = rows or super().new_rows
         super().begin_run()
         self.drafter.begin_run(self.device, self.max_holes)
-        self.trace = WindowTrace()
-        self.route_log = RouteLog()
-        self.tracer = WindowTracer() if self.trace_windows else None
-        self.verify_windows: list[int] = []
-        self.iterations = 0
-        self.busy0 = self.rt.link.busy_seconds
+        self.recorder.begin_run()
 
     def new_rows(self, entering: list[Request]):
-        if not self.single:
-            return super().new_rows(entering)
+        return self.rows(entering)
+
+    def sequence_rows(self, entering: list[Request]) -> SequenceKV:
+        """One request's rows on the decode path's own cache, with room for its last window's K+1."""
         need = max((r.prompt_len + r.max_new_tokens for r in entering), default=0)
-        return SequenceKV(self.rt.forward_model, need + self.K + 2)  # room for the last window's K+1
+        return SequenceKV(self.rt.forward_model, need + self.K + 2)
 
     # the drafter keeps its per-row state in step with the target's rows
     def _join(self, fresh, prompts: list[torch.Tensor]) -> None:
@@ -195,7 +373,7 @@ class SpeculativeEngine(BatchLoop):
                  clock: CommitClock | None = None) -> tuple[list[int], dict[str, Any]]:
         """One request (``prompt_ids [1, P]``): the B = 1 case of the window loop. Returns its tokens
         and record columns (acceptance, I/O, prefetch scores)."""
-        self.begin_run(single=True)
+        self.begin_run(self.sequence_rows)
         req = self.submit(prompt_ids, max_new_tokens, generator, clock=clock)
         self.run()
         stats = {k: v for k, v in self.batch_stats().items() if k not in BATCH_ONLY}
@@ -203,72 +381,59 @@ class SpeculativeEngine(BatchLoop):
 
     @torch.inference_mode()
     def run(self) -> list[Request]:
-        link = self.rt.link
-        link.observer = self.tracer.on_copy if self.tracer is not None else None
-        try:
+        with self.recorder.observing():
             return super().run()
-        finally:
-            link.observer = None
 
-    def _target(self, rows, ids, mode, token_valid=None, host_compute=False):
-        flt = self.expert_filter if mode != "prefill" else None  # the prefill runs the full router
-        if token_valid is not None:
-            flt = padding_filter(token_valid, self.num_experts, flt)
-        if mode != "probe":  # a probe opens its own windows
-            self.route_log.begin_window()
-        tracer = self.tracer if mode != "probe" else None
-        with self.moe.mode("target", route_log=self.route_log, host_compute=host_compute, expert_filter=flt,
-                           tracer=tracer):
+    # ------------------------------------------------------------------------------ target passes
+    def _target(self, rows, ids: torch.Tensor, expert_filter: ExpertFilter | None, log: RouteLog, tracer=None,
+                host_compute: bool = False) -> torch.Tensor:
+        with self.rt.moe.mode("target", route_log=log, host_compute=host_compute, expert_filter=expert_filter,
+                              tracer=tracer):
             return rows.run(ids)  # [B, T, V]
+
+    def _prefill(self, rows, ids: torch.Tensor, token_valid: torch.Tensor | None) -> torch.Tensor:
+        """The prompts' pass: the full router (no verification filter); padded tokens route to no expert."""
+        flt = padding_filter(token_valid, self.rt.om.num_experts) if token_valid is not None else None
+        self.route_log.begin_window()
+        return self._target(rows, ids, flt, self.route_log, self.tracer)
+
+    def verify_pass(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target over the running rows' window ``ids [B, T]`` (logits ``[B, T, V]``), one route-log window."""
+        self.route_log.begin_window()
+        logits = self._target(self.kv, ids, self.expert_filter, self.route_log, self.tracer)
+        self.recorder.verified()
+        return logits
+
+    def probe_pass(self, ids: torch.Tensor, log: RouteLog) -> torch.Tensor:
+        """An untimed pass from the host store (the oracle's dry run): routes into ``log``, no tracer;
+        its KV stays pending until the caller discards it."""
+        return self._target(self.kv, ids, self.expert_filter, log, host_compute=True)
 
     # ------------------------------------------------------------------------------ one window
     def _iterate(self) -> None:
-        reqs = self.active
+        reqs, rec = self.active, self.recorder
         limits = [min(self.K, r.remaining - 1) for r in reqs]  # K_b
-        Kb = max(limits)
-        last = self._last_tokens()  # [B, 1]
+        Kb, last = max(limits), self._last_tokens()  # Kb, [B, 1]
         if Kb == 0:  # one token left everywhere: a plain target step
-            logits = self._target(self.kv, last, "verify")[:, -1]  # [B, V]
-            self.verify_windows.append(len(self.route_log.windows) - 1)
+            logits = self.verify_pass(last)[:, -1]  # [B, V]
             self._commit([0] * len(reqs), [next_token(logits[b], self.params, r.generator) for b, r in enumerate(reqs)],
                          None)
             return
-        link, tracer = self.rt.link, self.tracer
-        window0 = (link.bytes_copied, link.busy_seconds)
-        if tracer is not None:
-            tracer.begin_window({layer: self.cache.resident(layer) for layer in self.layers}, Kb)
-        t0 = time.perf_counter()
-        drafts, q = self._draft(last, Kb, limits)  # [B, Kb], [B, Kb, V] | None
-        self.drafter.end(self.kv)
-        t1 = time.perf_counter()
-        target_logits = self._target(self.kv, torch.cat([last, drafts], dim=1), "verify")  # [B, Kb+1, V]
-        self.verify_windows.append(len(self.route_log.windows) - 1)
+        rec.begin_window(self.cache, Kb)
+        drafts, q = self._draft(last, Kb, limits)  # [B, Kb], [B, Kb, V] | None; prefetches at the boundaries
+        rec.lap()
+        target_logits = self.verify_pass(torch.cat([last, drafts], dim=1))  # [B, Kb+1, V]
         self.cache.release_prefetches()  # mispredicted prefetches give their slots back
-        self._score_prediction()
-        accepted, tokens = self._verify(drafts, q, target_logits, limits)
-        t2 = time.perf_counter()
+        rec.score_prediction(self.plan_capacity)
+        accepted, tokens = self._accept(drafts, q, target_logits, limits)
+        rec.lap()
         self._commit(accepted, tokens, drafts.tolist())
         self.drafter.commit(accepted)
-        for b, req in enumerate(reqs):
-            if limits[b] > 0:
-                req.drafted.append(limits[b])
-                req.accepted.append(accepted[b])
-        self.trace.drafted.append(sum(limits))
-        self.trace.accepted.append(sum(accepted))
-        moved, busy = link.bytes_copied - window0[0], link.busy_seconds - window0[1]
-        self.trace.windows.append({"draft_s": t1 - t0, "verify_s": t2 - t1, "h2d_bytes": moved,
-                                   "link_busy_s": busy, "batch": len(reqs), "Kb": Kb})
-        if tracer is not None:
-            info = tracer.windows[-1]
-            info.draft_ms, info.verify_ms, info.accepted = (t1 - t0) * 1e3, (t2 - t1) * 1e3, sum(accepted)
-            info.used = {layer: set(e) for layer, e in self.route_log.windows[-1].items()}
-            tracer.span("draft", t0, t1)
-            tracer.span("verify", t1, t2)
+        moved, busy = rec.end_window(reqs, limits, accepted, Kb)
         if moved and busy > 0:  # the planner's bandwidth estimate follows the real link
             self.planner.observe_transfer(moved, busy)
-        self.iterations += 1
 
-    def _verify(self, drafts, q, target_logits, limits: list[int]) -> tuple[list[int], list[int]]:
+    def _accept(self, drafts, q, target_logits, limits: list[int]) -> tuple[list[int], list[int]]:
         if self.params.greedy:
             return greedy_verify_batch(drafts, target_logits, torch.tensor(limits, device=drafts.device))
         accepted, tokens = [], []
@@ -284,30 +449,28 @@ class SpeculativeEngine(BatchLoop):
 
     # ------------------------------------------------------------------------------ draft
     def _draft(self, last: torch.Tensor, Kb: int, limits: list[int]):
-        planner = self.planner
+        planner, prefetcher, timer = self.planner, self.prefetcher, StepTimer(self.device)
         planner.begin_window(Kb)
-        self.window_predicted: dict[int, set[int]] = defaultdict(set)
-        if self.prefetch == "oracle":
-            self._oracle_prefetch(last, Kb)
+        prefetcher.before_draft(self, last, Kb)
         tokens, qs = [], []
         tok = self.drafter.first_input(self.active, last)  # [B, T]
-        self.timer.start()
+        timer.start()
         for step in range(1, Kb + 1):
-            logits = self.drafter.step(tok, self.kv, self.elb)  # [B, V]
+            logits = self.drafter.step(tok, self.kv, prefetcher.elb)  # [B, V]
             d, q = self._draft_sample(logits, step, limits)  # [B], [B, V] | None
             tokens.append(d)
             qs.append(q)
             tok = d[:, None]
-            self.timer.lap()
-            if self.elb is not None and planner.next_boundary == step:
-                for seconds in self.timer.harvest():
+            timer.lap()
+            if prefetcher.elb is not None and planner.next_boundary == step:
+                for seconds in timer.harvest():  # the planner's step estimate before it plans
                     planner.observe_draft_step(seconds)
-                self._boundary(step)
-        for seconds in self.timer.harvest():
+                prefetcher.boundary(self, step)
+        for seconds in timer.harvest():
             planner.observe_draft_step(seconds)
-        if self.elb is not None:
-            self.elb.clear()  # later evidence is discarded; nothing carries into the next window
+        prefetcher.end_draft()
         self.trace.phases.extend((c.phase, c.start, c.end, c.batch) for c in planner.trace)
+        self.drafter.end(self.kv)
         drafts = torch.stack(tokens, dim=1)  # [B, Kb]
         return drafts, (torch.stack(qs, dim=1) if qs[0] is not None else None)
 
@@ -325,45 +488,6 @@ class SpeculativeEngine(BatchLoop):
             toks.append(d.reshape(()))
             qs.append(q)
         return torch.stack(toks), torch.stack(qs)
-
-    def _boundary(self, step: int) -> None:
-        """Snapshot the ELB's top-M plan and act on it (see `prefetch_at_boundary`)."""
-        plan = self.elb.snapshot_plan(self.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
-        for layer, experts in plan.items():
-            self.window_predicted[layer].update(experts)
-        t0 = time.perf_counter()
-        before = self.rt.link.bytes_copied
-        self.trace.dropped_prefetches += prefetch_at_boundary(self.cache, self.planner, step, plan, self.plan_capacity)
-        if self.tracer is not None:
-            self.tracer.span("boundary", t0, time.perf_counter(), bytes=self.rt.link.bytes_copied - before,
-                             phase=f"step {step}: {self.planner.trace[-1].phase}")
-
-    def _oracle_prefetch(self, last: torch.Tensor, Kb: int) -> None:
-        """Ablation upper bound: an untimed greedy dry run of Kb+1 steps from the host store learns the
-        target's true experts for every request; the top-M per layer (by steps using them) are prefetched."""
-        saved, self.route_log = self.route_log, RouteLog()
-        start = time.perf_counter()
-        tok = last
-        for _ in range(Kb + 1):  # the Kb+1 verified positions of a fully accepted greedy window
-            self.route_log.begin_window()  # one window per position: counts = positions using an expert
-            tok = self._target(self.kv, tok, "probe", host_compute=True)[:, -1].argmax(-1)[:, None]
-        self.kv.discard_pending()
-        windows, self.route_log = self.route_log.windows, saved
-        plan = oracle_plan(windows, self.plan_capacity)
-        self.trace.dropped_prefetches += prefetch_plan(self.cache, plan)
-        for layer, experts in plan.items():
-            self.window_predicted[layer] |= set(experts)
-        spent = time.perf_counter() - start
-        for req in self.active:
-            req.clock.exclude(spent)  # the probe is not part of the measured run
-
-    def _score_prediction(self) -> None:
-        actual, trace = self.route_log.windows[-1], self.trace
-        for layer in self.layers:
-            pred, act = self.window_predicted.get(layer, set()), actual.get(layer, set())
-            trace.predicted_hits += len(pred & act)
-            trace.predicted += len(pred)
-            trace.actual_capped += min(len(act), max(len(pred), self.plan_capacity[layer]))
 
     # ------------------------------------------------------------------------------ metrics
     def request_stats(self, req: Request) -> dict[str, Any]:
@@ -389,9 +513,9 @@ def speculative_run_stats(engines: Sequence[SpeculativeEngine]) -> dict[str, Any
         "K": first.K,
         "iterations": sum(e.iterations for e in engines),
         "kv_compactions": sum(e.kv.compactions for e in engines),
-        "distinct_experts_per_layer": working_set(first.route_log, sorted(w for e in engines for w in e.verify_windows),
+        "distinct_experts_per_layer": working_set(first.route_log, sorted(w for e in engines for w in e.recorder.verify_windows),
                                                   first.layers),
-        **io_stats(first.cache, first.rt.link.busy_seconds - first.busy0),
+        **io_stats(first.cache, first.rt.link.busy_seconds - first.recorder.busy0),
         "prefetch_precision": hits / predicted if predicted else None,
         "prefetch_recall": hits / capped if predicted and capped else None,
         "dropped_prefetches": sum(t.dropped_prefetches for t in traces),
@@ -420,7 +544,7 @@ def generate_microbatched(engines: Sequence[SpeculativeEngine], prompts: list[to
     for engine in used:
         engine.begin_run()
     for engine in used[1:]:  # one log of verification windows in time order: one working set, one oracle
-        engine.route_log = used[0].route_log
+        engine.recorder.route_log = used[0].route_log
     reqs: list[Request] = [None] * n  # type: ignore[list-item]
     for engine, part in zip(used, parts):
         for i in part:
