@@ -327,8 +327,10 @@ def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
         if fields is not None and key not in fields and key != "hydra":
             out.append(f"{prefix}{key}")
             continue
-        node = cfg._get_node(key)
-        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none() and fields is not None:
+        if fields is None or OmegaConf.is_missing(cfg, key) or OmegaConf.is_interpolation(cfg, key):
+            continue
+        node = cfg[key]
+        if isinstance(node, DictConfig):  # None-valued groups are plain None here
             out += unknown_keys(node, f"{prefix}{key}.")
     return out
 
