@@ -9,8 +9,8 @@ fair one and there is no second TPOT column.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 

@@ -184,7 +184,7 @@ class OffloadAR(Method):
 
         Autoregressive decoding has no verification window, so its windows are runs of K+1 consecutive
         target steps with the K a speculative method verifies on this config (`effective_K`: the top-level
-        K=, else the model's profiled K): the same number of tokens as a full Specter window on the same
+        K=, else the profiled K, else the model's): the same number of tokens as a full Specter window on the same
         model, which makes the two comparable (a 1-token window would give exactly k experts, a ratio of 1
         by construction). Route-log window 0 is the prefill, not a window; the last group holds what is left.
         """

@@ -31,7 +31,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         mean_accepted_len=("mean_accepted_len", "mean"),
         h2d_mb_per_token=("h2d_mb_per_token", "mean"),
         hit_rate=("hit_rate", "mean"),  # demand hit rate of the device expert cache (empty: every expert resident)
-        # the routing regime: distinct experts per window and MoE layer, and that over independent routing's
+        # the routing regime: distinct experts per window and MoE layer, and that over independent routing's expectation
         window_experts=("window_experts", "mean"),
         window_experts_vs_independent=("window_experts_vs_independent", "mean"),
         prefetch_recall=("prefetch_recall", "mean"),
