@@ -35,22 +35,29 @@ SCHEDULES = ("expert", "token")
 
 @dataclass
 class RouteLog:
-    """The target's routes per window and MoE layer: which experts, and how many (token, slot) routes
-    each took (for metrics, the I/O oracle and the routing-diversity figure)."""
+    """The target's routes per window and MoE layer: which experts, how many (token, slot) routes
+    each took, and how many tokens the router saw (for metrics, the I/O oracle and the
+    routing-diversity figure)."""
 
     windows: list[dict[int, set[int]]] = field(default_factory=list)
     counts: list[dict[int, Counter]] = field(default_factory=list)
+    tokens: list[dict[int, int]] = field(default_factory=list)  # tokens routed per window and layer
 
     def begin_window(self) -> None:
         self.windows.append({})
         self.counts.append({})
+        self.tokens.append({})
 
-    def add(self, layer: int, topk_idx: torch.Tensor) -> None:
+    def add(self, layer: int, topk_idx: torch.Tensor, tokens: int | None = None) -> None:
+        """Routes of one pass through `layer`: `topk_idx [T, k]`, or the routes a filter kept (flat) with
+        `tokens`, the T tokens the router saw (a filter's dropped routes do not make a token unrouted)."""
         if not self.windows:
             self.begin_window()
         ids = topk_idx.flatten().tolist()
         self.windows[-1].setdefault(layer, set()).update(ids)
         self.counts[-1].setdefault(layer, Counter()).update(ids)
+        n = tokens if tokens is not None else (topk_idx.shape[0] if topk_idx.dim() == 2 else 0)
+        self.tokens[-1][layer] = self.tokens[-1].get(layer, 0) + int(n)
 
     def rows(self) -> list[dict[str, int]]:
         """One row per (window, layer, expert) with its route count."""
@@ -107,12 +114,12 @@ class TargetExecutor:
 
     def __call__(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, act_fn,
                  seen: Observers) -> torch.Tensor:
-        routed = topk_idx
+        routed, tokens = topk_idx, topk_idx.shape[0]  # [T, k], T
         if seen.expert_filter is not None:  # a dropped route becomes id E ("no expert")
             topk_idx, topk_w = seen.expert_filter(layer, topk_idx, topk_w)
             routed = topk_idx[topk_idx < self.cache.store.num_experts]  # [n]
         if seen.route_log is not None:
-            seen.route_log.add(layer, routed)
+            seen.route_log.add(layer, routed, tokens)
         if seen.capture is not None:
             seen.capture(layer, x, topk_idx)
         if self.host:

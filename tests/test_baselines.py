@@ -330,7 +330,16 @@ def test_run_writes_the_common_records(method, extra, tmp_path, tiny_checkpoint)
     else:
         assert rec[lossy].isna().all(axis=None)
     assert rec.accepted_fraction.notna().all() == (method in ("specmoeoff", "moe_spec"))
+    # the routing regime of every offloading method: cache hit rate, window working set vs independent routing
+    assert rec.hit_rate.between(0, 1).all() and rec.window_experts.between(6, 64).all()
+    assert (rec.window_experts_vs_independent > 0).all() and (rec.window_experts_vs_independent <= 1.5).all()
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary.window_experts.iloc[0] == pytest.approx(rec.window_experts.mean())
+    assert summary.hit_rate.iloc[0] == pytest.approx(rec.hit_rate.mean())
+    assert json.loads((out / "env.json").read_text())["model_routing"] is None
     env = json.loads((out / "env.json").read_text())["method"]
+    if method in ("mo_sc", "mo_sm"):  # autoregressive: windows of the model's K+1 target steps
+        assert env["routing_window_tokens"] == 17
     if method == "mo_sm":
         assert rec.resident_experts.iloc[0] == env["same_memory_derivation"]["resident"] > 4
     if method in ("mo_sc", "mo_sm", "specmoeoff"):  # the rule of every cache-owning method

@@ -88,6 +88,25 @@ def test_summary_counts_each_record_once_and_survives_bad_values(tmp_path):
     assert pd.read_csv(tmp_path / "summary.csv").records.tolist() == [4]
 
 
+def test_summary_carries_the_routing_regime(tmp_path):
+    w = RecordWriter(tmp_path / "records.csv")
+    for i, (hit, ws, ratio) in enumerate([(0.25, 20.0, 0.5), (0.75, 30.0, 0.7)]):
+        w.append(row(i, demand_hits=i + 1, demand_misses=3 - 2 * i, hit_rate=hit, window_experts=ws,
+                     window_experts_vs_independent=ratio))
+    write_summary(tmp_path)
+    summary = pd.read_csv(tmp_path / "summary.csv")
+    assert summary.hit_rate.tolist() == [0.5] and summary.window_experts.tolist() == [25.0]
+    assert summary.window_experts_vs_independent.tolist() == [pytest.approx(0.6)]
+
+
+@pytest.mark.parametrize("column,value", [("hit_rate", "1.5"), ("window_experts", "-1"),
+                                          ("window_experts_vs_independent", "-0.2")])
+def test_impossible_routing_values_are_rejected(tmp_path, column, value):
+    w = RecordWriter(tmp_path / "records.csv")
+    with pytest.raises(ValueError, match=column):
+        w.append(row(0, **{column: value}))
+
+
 def test_append_refuses_invalid_and_duplicate_rows(tmp_path):
     w = RecordWriter(tmp_path / "records.csv")
     w.append(row(0))

@@ -25,9 +25,15 @@ def test_target_only_writes_records(model, tmp_path, tiny_checkpoint):
     assert len(records) == 2 and (records.new_tokens == 6).all()
     assert records.tpot_ms.gt(0).all() and records.output_digest.str.len().eq(64).all()
     assert records.accepted_fraction.isna().all()  # not a speculative method: empty, not a fake number
+    regime = ["hit_rate", "window_experts", "window_experts_vs_independent"]
+    assert records[regime].isna().all(axis=None)  # every expert resident: no cache, no offloaded routes
     for name in ("summary.csv", "config.yaml", "env.json"):
         assert (out / name).exists()
     assert "summary.csv" in res.stdout
+    summary = pd.read_csv(out / "summary.csv")
+    assert set(regime) <= set(summary.columns) and summary[regime].isna().all(axis=None)
+    env = __import__("json").loads((out / "env.json").read_text())
+    assert "model_routing" in env and env["model_routing"] is None  # the untrained tiny model has no report
 
 
 def test_resume_keeps_finished_records_and_never_overwrites(tmp_path, tiny_checkpoint):
@@ -67,5 +73,13 @@ def test_specter_end_to_end_with_lossless_check(tmp_path, tiny_checkpoint):
     assert rec.drafted_tokens.gt(0).all() and rec.accepted_fraction.between(0, 1).all()
     assert (rec.oracle_h2d_bytes <= rec.h2d_bytes).all()
     assert rec.prefetch_recall.notna().all() and rec.mean_accepted_len.ge(1).all()
+    assert rec.hit_rate.between(0, 1).all()  # the routing regime: device cache and verification windows
+    assert rec.hit_rate.tolist() == pytest.approx((rec.demand_hits / (rec.demand_hits + rec.demand_misses)).tolist())
+    assert rec.window_experts.between(6, 64).all()  # top-6 of 64 routed experts, per window and MoE layer
+    assert (rec.window_experts_vs_independent > 0).all() and (rec.window_experts_vs_independent <= 1.5).all()
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary.hit_rate.iloc[0] == pytest.approx(rec.hit_rate.mean())
+    assert summary.window_experts_vs_independent.iloc[0] == pytest.approx(rec.window_experts_vs_independent.mean())
     env = __import__("json").loads((out / "env.json").read_text())
+    assert env["model_routing"] is None
     assert env["method"]["link"]["kind"] == "emulated" and env["method"]["draft_bytes"] > 0

@@ -39,7 +39,8 @@ def method_config(cfg: DictConfig, method: str) -> DictConfig:
 
 
 def comparison_table(records: pd.DataFrame, reference: str = "target_only", baseline: str = "offload_ar") -> pd.DataFrame:
-    """One row per method: TPOT, speedup over `baseline`, acceptance, I/O against the oracle, token equality."""
+    """One row per method: TPOT, speedup over `baseline`, acceptance, I/O against the oracle, the routing regime
+    (cache hit rate, window working set over independent routing), token equality."""
     rows = []
     ref = records[records.method == reference].set_index(["dataset", "prompt_index", "repeat"]).output_digest
     base_tpot = records[records.method == baseline].tpot_ms.median() if (records.method == baseline).any() else None
@@ -57,10 +58,18 @@ def comparison_table(records: pd.DataFrame, reference: str = "target_only", base
             "tokens_per_iteration": df.mean_accepted_len.mean() if df.mean_accepted_len.notna().any() else None,
             "h2d_mb_per_token": h2d / df.new_tokens.sum() / 1e6 if h2d is not None else None,
             "h2d_over_oracle": h2d / oracle if h2d is not None and oracle else None,
+            # the routing regime: demand hit rate of the device cache, distinct experts per window over independent routing
+            "hit_rate": _mean(df, "hit_rate"),
+            "window_experts_vs_independent": _mean(df, "window_experts_vs_independent"),
             f"same_tokens_as_{reference}": same,
             **_ratio_columns(df),
         })
     return pd.DataFrame(rows)
+
+
+def _mean(df: pd.DataFrame, column: str) -> float | None:
+    """Mean of a record column over a method's records; None where the column is missing or empty."""
+    return df[column].mean() if column in df and df[column].notna().any() else None
 
 
 def _ratio_columns(df: pd.DataFrame) -> dict:
@@ -106,7 +115,8 @@ def print_comparison(table: pd.DataFrame, title: str) -> None:
 
 _HEADERS = {"tpot_ms": "TPOT ms", "speedup_vs_offload_ar": "× vs offload_ar", "acceptance_alpha": "α",
             "tokens_per_iteration": "tokens/iter", "h2d_mb_per_token": "H2D MB/token",
-            "h2d_over_oracle": "H2D ÷ oracle", "same_tokens_as_target_only": "= target_only",
+            "h2d_over_oracle": "H2D ÷ oracle", "hit_rate": "hit", "window_experts_vs_independent": "WS÷ind",
+            "same_tokens_as_target_only": "= target_only",
             "load_ratio": "r set", "effective_load_ratio": "r run", "load_ratio_off": "r off"}
 
 

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError
+from specter.harness.config import ConfigError, effective_K
 from specter.harness.runners import runner_problem
 from specter.harness.runtime import (build_runtime, compact_over, decode_path, final_runtime, gptq_draft_for, method_spec,
                                      staging_for)
 from specter.kernels.select import select_draft_kernel
-from specter.metrics import CommitClock, io_stats
+from specter.metrics import CommitClock, io_stats, step_windows, window_routing
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
 from specter.offload.runtime import Runtime
@@ -150,6 +150,7 @@ class OffloadAR(Method):
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         super().__init__(cfg, checkpoint)
+        self.window_tokens = autoregressive_window(cfg)
         rt = build_runtime(self.spec, checkpoint)  # the tier's M slots: the design, before any staging buffer
         try:
             self.rt = self.finish_runtime(rt)
@@ -173,9 +174,23 @@ class OffloadAR(Method):
         with self.rt.moe.mode("target", route_log=log):
             tokens = generate_autoregressive(self.rt.forward_model, prompt_ids, max_new_tokens, self.params, generator,
                                              clock, on_step=log.begin_window)  # one window per step
-        stats = {**io_stats(self.rt.cache, self.rt.link.busy_seconds - busy0), "oracle_h2d_bytes": oracle_bytes(self.rt, log)}
+        stats = {**io_stats(self.rt.cache, self.rt.link.busy_seconds - busy0), "oracle_h2d_bytes": oracle_bytes(self.rt, log),
+                 **self.routing(log)}
         self.route_log = log
         return Generation(tokens, clock, stats, {"routes": log.rows()})
+
+    def routing(self, log: RouteLog) -> dict[str, Any]:
+        """window_experts and window_experts_vs_independent of one generation (`metrics.window_routing`).
+
+        Autoregressive decoding has no verification window, so its windows are runs of K+1 consecutive
+        target steps with the K a speculative method verifies on this config (`effective_K`: the top-level
+        K=, else the profiled K, else the model's): the same number of tokens as a full Specter window on the same
+        model, which makes the two comparable (a 1-token window would give exactly k experts, a ratio of 1
+        by construction). Route-log window 0 is the prefill, not a window; the last group holds what is left.
+        """
+        om = self.rt.om
+        windows = step_windows(1, len(log.windows), self.window_tokens)
+        return window_routing(log, windows, om.moe_layers, om.num_experts, om.top_k)
 
     def generate_batch(self, prompts, max_new_tokens, generators):
         """Batched autoregressive offloading: each step's expert-wise MoE loads an expert once for all B."""
@@ -189,7 +204,7 @@ class OffloadAR(Method):
                 **self.rt.record_fields()}
 
     def environment(self) -> dict[str, Any]:
-        return self.rt.environment()
+        return {**self.rt.environment(), "routing_window_tokens": self.window_tokens}
 
     def close(self) -> None:
         self.rt.close()
@@ -325,6 +340,15 @@ class Specter(Method):
 
     def close(self) -> None:
         self.rt.close()
+
+
+def autoregressive_window(cfg: DictConfig) -> int:
+    """Target steps per window of an autoregressive method's routing columns: K + 1 with the K a speculative
+    method verifies on this config (see `OffloadAR.routing`), 1 where the config names no usable K."""
+    try:
+        return effective_K(cfg) + 1
+    except (ConfigError, AttributeError, KeyError, TypeError, ValueError):
+        return 1
 
 
 def compact_decoder(cfg: DictConfig, model: torch.nn.Module):

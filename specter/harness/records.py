@@ -35,8 +35,11 @@ COLUMNS = (
     # speculation (speculative.engine.acceptance_stats)
     "accepted_tokens", "drafted_tokens", "accepted_fraction", "acceptance_alpha", "mean_accepted_len",
     # expert I/O (metrics.io_stats) and prediction
-    "h2d_bytes", "demand_hits", "demand_misses", "copy_wait_ms", "overlap_fraction",
+    "h2d_bytes", "demand_hits", "demand_misses", "hit_rate", "copy_wait_ms", "overlap_fraction",
     "prefetch_precision", "prefetch_recall", "dropped_prefetches", "oracle_h2d_bytes",
+    # routing regime (metrics.window_routing over the target's RouteLog): distinct experts per window and
+    # MoE layer, and that over independent routing's E·(1 − (1 − k/E)^n)
+    "window_experts", "window_experts_vs_independent",
     # lossy methods: quality against target-only decoding
     "expert_budget", "budget_mode", "first_divergence", "token_match_fraction", "target_nll",
     # engines and memory (the device layout: offload.runtime.Runtime.record_fields)
@@ -79,9 +82,9 @@ NON_NEGATIVE = ("K", "resident_experts", "batch_size", "prefix_tokens", "tpot_ms
                 "copy_wait_ms", "dropped_prefetches", "oracle_h2d_bytes", "expert_budget", "first_divergence",
                 "target_nll", "peak_memory_bytes", "staging_buffers", "footprint_bytes", "budget_bytes", "slot_bytes",
                 "staging_bytes", "draft_bytes", "seed", "load_ratio", "effective_load_ratio", "layer_step_ms",
-                "expert_load_ms")
-FRACTIONS = ("accepted_fraction", "acceptance_alpha", "overlap_fraction", "prefetch_precision", "prefetch_recall",
-             "token_match_fraction")
+                "expert_load_ms", "window_experts", "window_experts_vs_independent")
+FRACTIONS = ("accepted_fraction", "acceptance_alpha", "hit_rate", "overlap_fraction", "prefetch_precision",
+             "prefetch_recall", "token_match_fraction")
 # (part, whole): a count can never exceed the total it is a part of
 PARTS = (("accepted_tokens", "drafted_tokens"),)
 

@@ -70,9 +70,38 @@ def prepare(cfg: DictConfig, num_prompts: int) -> Prepared:
 
 
 def environment_of(method: Method, checkpoint: Path, digest: str, **extra: Any) -> dict[str, Any]:
-    """env.json's method part: the spec the method was built from, its own parameters, the weights."""
+    """env.json's method part: the spec the method was built from, its own parameters, the weights and
+    the model's routing facts (`model_routing`)."""
     return {"spec": method.final_spec().record(), "method": method.environment(), "checkpoint": str(checkpoint),
-            "weights_sha256": digest, **extra}
+            "weights_sha256": digest, "model_routing": model_routing(checkpoint), **extra}
+
+
+TRAINED_REPORT = "specter_trained.json"  # written beside a trained tiny model (specter/models/tiny_train.py)
+
+
+def model_routing(checkpoint: Path) -> dict[str, Any] | None:
+    """The routing facts a trained model's report states (its `"routing"` entry: dead experts and
+    usage entropy per MoE layer, measured on `tokens` tokens of `text`), or None when the checkpoint
+    has no report or the report has no such entry. Read defensively: a missing, unreadable or
+    malformed report is None, a malformed field is null, and nothing here stops a run."""
+    from specter.paths import read_json_object
+
+    try:
+        routing = read_json_object(Path(checkpoint) / TRAINED_REPORT).get("routing")
+    except (OSError, TypeError, ValueError):
+        return None
+    if not isinstance(routing, dict):
+        return None
+
+    def numbers(key: str, kind: type) -> list | None:
+        v = routing.get(key)
+        ok = isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        return [kind(x) for x in v] if ok else None
+
+    text, tokens = routing.get("text"), routing.get("tokens")
+    return {"dead_experts": numbers("dead_experts", int), "usage_entropy": numbers("usage_entropy", float),
+            "text": text if isinstance(text, str) else None,
+            "tokens": tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None}
 
 
 def run(cfg: DictConfig) -> Path:

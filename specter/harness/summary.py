@@ -16,8 +16,12 @@ GROUP = ["method", "model", "memory", "dataset"]
 def summarize(records: pd.DataFrame) -> pd.DataFrame:
     df = records.copy()
     df["h2d_mb_per_token"] = df["h2d_bytes"] / df["new_tokens"] / 1e6
-    demand = df["demand_hits"] + df["demand_misses"]
-    df["hit_rate"] = df["demand_hits"] / demand.where(demand > 0)
+    if "hit_rate" not in df:  # records of an older layout: the same rate from the counts
+        demand = df["demand_hits"] + df["demand_misses"]
+        df["hit_rate"] = df["demand_hits"] / demand.where(demand > 0)
+    for col in ("window_experts", "window_experts_vs_independent"):
+        if col not in df:
+            df[col] = float("nan")
     agg = df.groupby(GROUP, sort=False).agg(
         records=("output_digest", "size"),
         new_tokens=("new_tokens", "median"),
@@ -26,7 +30,10 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         acceptance_alpha=("acceptance_alpha", "mean"),
         mean_accepted_len=("mean_accepted_len", "mean"),
         h2d_mb_per_token=("h2d_mb_per_token", "mean"),
-        hit_rate=("hit_rate", "mean"),
+        hit_rate=("hit_rate", "mean"),  # demand hit rate of the device expert cache (empty: every expert resident)
+        # the routing regime: distinct experts per window and MoE layer, and that over independent routing's expectation
+        window_experts=("window_experts", "mean"),
+        window_experts_vs_independent=("window_experts_vs_independent", "mean"),
         prefetch_recall=("prefetch_recall", "mean"),
         # the emulated link as it ran (harness/load_ratio.py): configured and mean effective ratio, flagged records
         load_ratio=("load_ratio", "first"),

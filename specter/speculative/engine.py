@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from specter.metrics import CommitClock, io_stats
+from specter.metrics import CommitClock, io_stats, window_routing
 from specter.moe import ExpertFilter, RouteLog
 from specter.offload.runtime import Runtime
 from specter.offload.store import ExpertUID
@@ -509,12 +509,15 @@ def speculative_run_stats(engines: Sequence[SpeculativeEngine]) -> dict[str, Any
     traces = [e.trace for e in engines]
     predicted, hits = sum(t.predicted for t in traces), sum(t.predicted_hits for t in traces)
     capped = sum(t.actual_capped for t in traces)
+    verified = sorted(w for e in engines for w in e.recorder.verify_windows)  # route-log windows of verifications
+    om = first.rt.om
     return {
         "K": first.K,
         "iterations": sum(e.iterations for e in engines),
         "kv_compactions": sum(e.kv.compactions for e in engines),
-        "distinct_experts_per_layer": working_set(first.route_log, sorted(w for e in engines for w in e.recorder.verify_windows),
-                                                  first.layers),
+        "distinct_experts_per_layer": working_set(first.route_log, verified, first.layers),
+        # each verification pass is one window (its Kb+1 tokens per request; prefills are not windows)
+        **window_routing(first.route_log, [[w] for w in verified], first.layers, om.num_experts, om.top_k),
         **io_stats(first.cache, first.rt.link.busy_seconds - first.recorder.busy0),
         "prefetch_precision": hits / predicted if predicted else None,
         "prefetch_recall": hits / capped if predicted and capped else None,
