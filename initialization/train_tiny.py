@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None,
                     help="training steps (default: the pinned count per model: "
                          + ", ".join(f"{k} {v}" for k, v in sorted(tiny_train.DEFAULT_STEPS.items())) + ")")
+    ap.add_argument("--balance", type=float, default=None,
+                    help="weight of the per-layer expert balance loss (default: per model, "
+                         + ", ".join(f"{k} {v}" for k, v in sorted(tiny_train.BALANCE_COEF.items())) + ")")
     ap.add_argument("--root", type=Path, default=None, help="models folder (default: $SPECTER_HOME/models)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -30,11 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown tiny model(s) {unknown}; choose from {sorted(tiny.TINY_SPECS)}")
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.balance is not None and not args.balance >= 0:
+        ap.error(f"--balance must be a number >= 0, got {args.balance}")
     status = 0
     for name in args.names:
         try:
             with tiny.build_lock(tiny.tiny_dir(name, trained=True, root=args.root)):
-                out = tiny_train.train(name, steps=args.steps, root=args.root, progress=not args.no_progress)
+                out = tiny_train.train(name, steps=args.steps, root=args.root, progress=not args.no_progress,
+                                       balance=args.balance)
             print(f"{name}: {out}")
         except tiny_train.TrainingRejected as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -48,7 +48,10 @@ def test_short_training_is_deterministic_and_gated(root):
     assert a["weights_sha256"] == b["weights_sha256"] and a["files"] == b["files"]
     assert a["loss_first_25"] == b["loss_first_25"]
     assert not all(a["gates"]["passed"].values())
-    assert set(a["gates"]["passed"]) == {"loss", "repeat_within_4"}
+    # PhiMoE has no paper growth to match: the quality gates and three routing gates
+    assert set(a["gates"]["passed"]) == {"loss", "repeat_within_4", "no_dead_expert", "usage_entropy",
+                                         "window_vs_independent"}
+    assert len(a["routing"]["dead_experts"]) == 4 and a["routing"]["tokens"] == 4096
 
 
 def _install_fake_trained(root, passed: bool = True):
@@ -57,6 +60,7 @@ def _install_fake_trained(root, passed: bool = True):
     shutil.copytree(root / NAME, out)
     report = {"name": NAME, "steps": 1, "gates": {"passed": {"loss": passed, "repeat_within_4": True,
                                                               "distinct_2gram": True}},
+              "routing": {"dead_experts": [0] * 4, "usage_entropy": [0.95] * 4},
               "files": tiny.file_sha256s(out)}
     (out / "specter_trained.json").write_text(json.dumps(report))
     return out
@@ -80,7 +84,14 @@ def test_gate_failures_are_refused_on_load(root):
     _install_fake_trained(root, passed=False)
     with pytest.raises(ModelUnavailable, match="missed its quality gates"):
         ensure_trained(NAME, root=root)
-    (tiny.tiny_dir(NAME, trained=True, root=root) / "specter_trained.json").write_text("{}")
+    report_path = tiny.tiny_dir(NAME, trained=True, root=root) / "specter_trained.json"
+    report = json.loads(report_path.read_text())
+    report["gates"]["passed"]["loss"] = True
+    del report["routing"]  # trained before the routing gates existed: collapsed routing, refused
+    report_path.write_text(json.dumps(report))
+    with pytest.raises(ModelUnavailable, match="before the routing gates"):
+        ensure_trained(NAME, root=root)
+    report_path.write_text("{}")
     with pytest.raises(ModelUnavailable, match="older version"):
         ensure_trained(NAME, root=root)
 
@@ -111,7 +122,7 @@ def _fake_runs(monkeypatch, tmp_path, passes: list[bool]) -> list[int]:
     runs: list[int] = []
     monkeypatch.setattr(tiny, "ensure_tiny", lambda name, root=None: tmp_path / "random")
 
-    def once(name, steps, seed, src, out, progress):
+    def once(name, steps, seed, src, out, progress, balance):
         runs.append(steps)
         tmp = out.with_name(out.name + ".partial")
         tmp.mkdir(parents=True, exist_ok=True)
@@ -119,6 +130,8 @@ def _fake_runs(monkeypatch, tmp_path, passes: list[bool]) -> list[int]:
         ok = passes[len(runs) - 1]
         return tmp, {"weights_sha256": "x", "pinned_sha256": None, "loss_last_25": 4.0,
                      "greedy_after": {"repeat_within_4": 0.3 if ok else 0.7, "distinct_2gram_ratio": 0.2},
+                     "routing": {"dead_experts": [0, 0], "usage_entropy": [0.95, 0.97],
+                                 "window_vs_independent": [0.8, 0.9]},
                      "gates": {"passed": {"loss": True, "repeat_within_4": ok}}}
 
     monkeypatch.setattr(tiny_train, "_train_once", once)

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from specter.models import tiny
+from specter.models.balance import RouterTap, routers_of
 from specter.paths import atomic_write_text
 
 SEQ_LEN, BATCH, LR, WEIGHT_DECAY = 128, 8, 3e-3, 0.01
@@ -37,6 +38,9 @@ STEP_SECONDS: dict[str, float] = {"tiny_dsv2": 0.25, "tiny_qwen": 0.25, "tiny_ph
 # Steps per model, about 3-4 CPU minutes each on one core of a 2-core CPU. tiny_qwen takes 960: at
 # 640 its greedy output on an AVX2 CPU still repeats itself (repeat-within-4 0.92 at loss 4.53).
 DEFAULT_STEPS: dict[str, int] = {"tiny_dsv2": 640, "tiny_qwen": 960, "tiny_phi": 900}
+
+# Weight of the per-layer expert-level balance loss (specter/models/balance.py; 1.0 = balanced)
+BALANCE_COEF: dict[str, float] = {"tiny_dsv2": 1.0, "tiny_qwen": 1.0, "tiny_phi": 1.0}
 
 EVAL_PROMPTS = ("def parse_args(argv):", "The module provides", "class Counter(dict):", "import os\nimport sys\n",
                 "    for line in lines:", "Return the number of")
@@ -96,11 +100,20 @@ def greedy_stats(model, tokenizer, prompts=EVAL_PROMPTS, new_tokens: int = EVAL_
     return {"repeat_within_4": repeats / total, "distinct_2gram_ratio": distinct2 / n2}
 
 
+def held_out_routing(name: str, model, tokenizer) -> dict:
+    """The routing report (specter/routing_stats.py) of `model` on held-out text, windows of the
+    run config's K + 1 tokens: what the routing gates are checked on."""
+    from specter.routing_stats import model_defaults, routing_report
+
+    K, tiers = model_defaults(name)
+    return routing_report(model, tokenizer, K + 1, tiers)
+
+
 LONGER = (1.5, 2.0)  # step multiples a default training is retried with when it misses a gate
 
 
 def train(name: str, steps: int | None = None, root: Path | None = None, progress: bool = True,
-          log: Callable[[str], None] | None = None) -> Path:
+          log: Callable[[str], None] | None = None, balance: float | None = None) -> Path:
     """Train `name` for `steps` (default `DEFAULT_STEPS[name]`) and install it as `<name>-trained`.
 
     A CPU kind with other float rounding can leave the default recipe short of the gates (tiny_dsv2
@@ -117,7 +130,8 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
     src = tiny.ensure_tiny(name, root=root)
     out = tiny.tiny_dir(name, trained=True, root=root)
     for i, n in enumerate(tries):
-        tmp, report = _train_once(name, n, tiny.TINY_SPECS[name].seed, src, out, progress)
+        tmp, report = _train_once(name, n, tiny.TINY_SPECS[name].seed, src, out, progress,
+                                  BALANCE_COEF[name] if balance is None else float(balance))
         pinned = report["pinned_sha256"]
         if pinned and pinned != report["weights_sha256"]:
             log(f"note: trained {name} differs from the pinned weights (sha256 {report['weights_sha256'][:12]} vs "
@@ -126,9 +140,11 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
         if not missed:
             tiny.replace_dir(tmp, out)
             return out
+        routing = report["routing"]
         summary = (f"{missed} after {n} steps: loss {report['loss_last_25']:.2f}, repeat-within-4 "
-                   f"{report['greedy_after']['repeat_within_4']:.2f}, distinct 2-grams "
-                   f"{report['greedy_after']['distinct_2gram_ratio']:.2f}")
+                   f"{report['greedy_after']['repeat_within_4']:.2f}, dead experts per layer {routing['dead_experts']}, "
+                   f"usage entropy {min(routing['usage_entropy']):.2f}, one window "
+                   f"{min(routing['window_vs_independent']):.2f} of independent routing")
         if i + 1 < len(tries):
             log(f"note: trained {name} missed its quality gates ({summary}); training again for {tries[i + 1]} steps")
     rejected = out.with_name(out.name + ".rejected")
@@ -137,7 +153,8 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
     raise TrainingRejected(f"trained {name} missed its quality gates ({summary}); left in {rejected}, not installed")
 
 
-def _train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress: bool) -> tuple[Path, dict]:
+def _train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress: bool,
+                balance: float) -> tuple[Path, dict]:
     """One training run from the random checkpoint `src`, written to `<out>.partial` with its report."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -148,7 +165,8 @@ def _train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, experts_implementation="grouped_mm")
-        model.config.output_router_logits = True  # load-balancing loss keeps experts in use
+        model.config.output_router_logits = False  # transformers' pooled aux loss off: ours is per layer
+        tap = RouterTap(routers_of(model))
         data = token_stream(tokenizer)
         before = greedy_stats(model.eval(), tokenizer)
         torch.manual_seed(seed)  # router jitter (PhiMoE) draws from the global generator
@@ -156,26 +174,32 @@ def _train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
         model.train()
         losses: list[float] = []
+        balances: list[float] = []
         bar = tqdm(range(steps), desc=f"training {name}", unit="step", disable=not progress, file=sys.stderr)
         for step in bar:
             starts = torch.randint(0, len(data) - SEQ_LEN - 1, (BATCH,), generator=g)  # [B]
             x = torch.stack([data[s:s + SEQ_LEN] for s in starts])  # [B, S]
             for group in opt.param_groups:  # cosine decay over the fixed step count
                 group["lr"] = LR * 0.5 * (1 + math.cos(math.pi * step / steps))
-            loss = model(input_ids=x, labels=x).loss
+            with tap.attached():
+                lm_loss = model(input_ids=x, labels=x).loss
+            balance_loss = tap.balance_loss()  # 1.0 when every expert of every layer is used evenly
+            loss = lm_loss + balance * balance_loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            losses.append(loss.detach().item())
+            losses.append(lm_loss.detach().item())
+            balances.append(balance_loss.detach().item())
             if step % 25 == 0:
-                bar.set_postfix(loss=f"{sum(losses[-25:]) / len(losses[-25:]):.3f}")
+                bar.set_postfix(loss=f"{sum(losses[-25:]) / len(losses[-25:]):.3f}",
+                                balance=f"{sum(balances[-25:]) / len(balances[-25:]):.3f}")
         bar.close()
-        model.config.output_router_logits = False
         model.eval()
         after = greedy_stats(model, tokenizer)
         loss_last = sum(losses[-25:]) / len(losses[-25:])
-        gates = GATES.check(loss_last, after)
+        routing = held_out_routing(name, model, tokenizer)
+        gates = {**GATES.check(loss_last, after), **routing["gates"]["passed"]}
         digest = tiny.weights_digest(model.state_dict())
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -190,8 +214,12 @@ def _train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress
         "name": name, "steps": steps, "seed": seed, "seq_len": SEQ_LEN, "batch": BATCH, "lr": LR,
         "torch": torch.__version__, "cpu_kind": tiny.cpu_kind(),
         "loss_first_25": sum(losses[:25]) / len(losses[:25]), "loss_last_25": loss_last,
+        "balance_coef": balance, "balance_last_25": sum(balances[-25:]) / len(balances[-25:]),
         "greedy_before": before, "greedy_after": after,
-        "gates": {"thresholds": GATES.__dict__, "passed": gates},
+        "routing": {k: routing[k] for k in ("text", "tokens", "window_tokens", "dead_experts", "usage_entropy")}
+        | {"window_vs_independent": [round(s["window_vs_independent"], 3) for s in routing["layers"]],
+           "growth_1_to_2": [round(s["growth_1_to_2"], 3) for s in routing["layers"]]},
+        "gates": {"thresholds": {**GATES.__dict__, **routing["gates"]["thresholds"]}, "passed": gates},
         "weights_sha256": digest, "pinned_sha256": tiny.trained_pin(name) if default else None,
         "files": tiny.file_sha256s(tmp),
     }
@@ -207,6 +235,8 @@ def trained_problem(folder: Path) -> str | None:
         files, passed = report["files"], report["gates"]["passed"]
     except (OSError, ValueError, KeyError, TypeError):
         return "its specter_trained.json is missing, unreadable or from an older version"
+    if "routing" not in report:
+        return "it was trained before the routing gates (its report has no routing statistics)"
     failed = [k for k, ok in passed.items() if not ok]
     if failed:
         return f"it missed its quality gates ({', '.join(failed)})"
