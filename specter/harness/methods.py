@@ -25,6 +25,7 @@ from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
+from specter.offload.calibrate import LinkParams
 from specter.offload.runtime import Runtime
 from specter.predict.oracle import oracle_bytes
 from specter.predict.planner import PrefetchPlanner
@@ -89,6 +90,12 @@ class Method:
     def environment(self) -> dict[str, Any]:
         """Parameters worth recording in env.json (e.g. the emulated link)."""
         return {}
+
+    def retime_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> LinkParams:
+        """Re-time this method's emulated link to a layer step measured in the run (`Runtime.recalibrate_link`)
+        and decode through the runtime that carries the new link parameters -> them."""
+        self.rt = self.rt.recalibrate_link(per_layer_step_s, latency_us, source)
+        return self.rt.link_params
 
     def close(self) -> None:
         pass
@@ -312,6 +319,12 @@ class Specter(Method):
             f"(logit margin {margin:.3g} > tie tolerance {self.tie_tolerance:g}): "
             f"{tokens[first:first + 8]} vs {reference[first:first + 8]}"
         )
+
+    def retime_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> LinkParams:
+        params = super().retime_link(per_layer_step_s, latency_us, source)
+        for engine in [self.engine, *self.batch_engines]:  # built over the runtime before: same link, old params
+            engine.rt = self.rt
+        return params
 
     def static_fields(self) -> dict[str, Any]:
         return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.target.schedule,
