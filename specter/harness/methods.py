@@ -35,6 +35,7 @@ from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.batched import BatchedAutoregressive, BatchRun
 from specter.speculative.drafter import SharedDrafter
 from specter.speculative.engine import SpeculativeEngine, generate_microbatched
+from specter.speculative.sampling import SamplingParams
 
 
 @dataclass
@@ -245,12 +246,14 @@ class Specter(Method):
         self.draft_bytes = sum(d.nbytes for d in draft.values())
         return draft
 
-    def make_engine(self) -> SpeculativeEngine:
-        """This method's engine from its spec and the pieces it swaps."""
+    def make_engine(self, params: SamplingParams | None = None) -> SpeculativeEngine:
+        """This method's engine from its spec and the pieces it swaps (``params``: sampling that
+        replaces the spec's, e.g. a served request's)."""
         s = self.spec
-        return SpeculativeEngine(self.rt, s.K, s.sampling, prefetch=s.prefetch, planner_config=s.planner,
-                   planner_state=s.planner_state, expert_filter=self.expert_filter(), plan_cap=s.plan_cap,
-                   planner=self.planner(), drafter=self.drafter(), trace_windows=s.trace_windows)
+        return SpeculativeEngine(self.rt, s.K, s.sampling if params is None else params, prefetch=s.prefetch,
+                                 planner_config=s.planner, planner_state=s.planner_state,
+                                 expert_filter=self.expert_filter(), plan_cap=s.plan_cap, planner=self.planner(),
+                                 drafter=self.drafter(), trace_windows=s.trace_windows)
 
     def expert_filter(self):
         """Verification-time expert filter (None: every routed expert is computed, lossless)."""
