@@ -121,7 +121,7 @@ def _fake_runs(monkeypatch, tmp_path, passes: list[bool]) -> list[int]:
                      "greedy_after": {"repeat_within_4": 0.3 if ok else 0.7, "distinct_2gram_ratio": 0.2},
                      "gates": {"passed": {"loss": True, "repeat_within_4": ok}}}
 
-    monkeypatch.setattr(tiny_train, "_train_once", once)
+    monkeypatch.setattr(tiny_train, "train_once", once)
     return runs
 
 
