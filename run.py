@@ -63,7 +63,7 @@ def _hydra_location_override(argv: list[str]) -> str | None:
     return None
 
 
-def _with_default_job(argv: list[str]) -> list[str]:
+def with_default_job(argv: list[str]) -> list[str]:
     """Hydra flags with no override (`--cfg job`, `-m`) act on the default job, as plain `python run.py`
     does; `--help`/`--hydra-help` describe conf/config.yaml itself."""
     from specter.harness.compose import DEFAULT_JOB
@@ -76,7 +76,7 @@ def _with_default_job(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     if _needs_hydra(sys.argv[1:]):
-        sys.argv[1:] = _with_default_job(sys.argv[1:])
+        sys.argv[1:] = with_default_job(sys.argv[1:])
         from specter.harness.cli import check_optional_groups, interrupted, terminate_as_interrupt
         from specter.harness.config import ConfigError
         from specter.harness.errors import report

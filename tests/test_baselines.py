@@ -86,8 +86,9 @@ def _store(E: int, layers: list[int], H: int = 8, I: int = 4) -> HostExpertStore
 
 def _slots_hold_their_experts(cache: ExpertCache) -> None:
     for layer in cache.layers:
-        for expert, slot in cache._layer(layer).policy.residents().items():
-            cache._layer(layer).ready[slot].wait()
+        cache.wait_resident(layer)
+        for expert in cache.resident(layer):
+            slot = cache.slot_of(layer, expert)
             assert torch.equal(cache.slot_buffer(layer, slot), cache.store.buffer(ExpertUID(layer, expert)))
 
 
@@ -106,7 +107,7 @@ def test_staging_buffers_hold_loads_while_every_slot_is_in_use():
         assert torch.equal(torch.cat([v.flatten() for v in staged.views(h)]), store.buffer(h.uid))
         staged.release(h)
     assert staged.resident(1) == {5} and staged.capacity(1) == 1  # back to M, the most recent one kept
-    assert len(staged._pool) == 2 and staged.resident(2) == {0}
+    assert staged.free_staging() == 2 and staged.resident(2) == {0}
     _slots_hold_their_experts(staged)
 
 
@@ -121,13 +122,13 @@ def test_staging_buffers_under_random_traffic():
         if rng.random() < 0.55:
             h = cache.acquire(ExpertUID(layer, e))
             if h is None:
-                assert not cache._pool and cache.protected_count(layer) == len(cache.resident(layer))
+                assert cache.free_staging() == 0 and cache.protected_count(layer) == len(cache.resident(layer))
             else:
                 held.append(h)
         elif held:
             cache.release(held.pop(rng.randrange(len(held))))
         borrowed = sum(len(cache.resident(lay)) - cache.capacity(lay) for lay in cache.layers)
-        assert borrowed + len(cache._pool) == 2  # every staging buffer is lent or in the pool
+        assert borrowed + cache.free_staging() == 2  # every staging buffer is lent or in the pool
         for h in held:
             assert torch.equal(torch.cat([v.flatten() for v in cache.views(h)]), store.buffer(h.uid))
         _slots_hold_their_experts(cache)
@@ -136,7 +137,7 @@ def test_staging_buffers_under_random_traffic():
     assert all(len(cache.resident(lay)) == cache.capacity(lay) for lay in cache.layers)
     cache.reset()
     _slots_hold_their_experts(cache)
-    assert len(cache._pool) == 2 and cache.resident(1) == {0, 1}
+    assert cache.free_staging() == 2 and cache.resident(1) == {0, 1}
 
 
 def test_expert_wise_moe_with_staging_equals_reference():

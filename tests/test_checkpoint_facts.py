@@ -242,9 +242,9 @@ def test_a_failing_import_shows_what_the_library_said():
 @pytest.mark.slow  # imports gptqmodel (and torchao) in a fresh process: ~20 s, minutes on a loaded machine
 def test_gptqmodel_prints_no_banner_in_our_output():
     pytest.importorskip("gptqmodel")
-    res = _python("import torch\nfrom specter.quant.gptq import _gptqmodel_linear\n"
+    res = _python("import torch\nfrom specter.quant.gptq import gptqmodel_linear\n"
                   "w = torch.randn(16, 32); x = torch.randn(64, 32)\n"
-                  "codes, scales = _gptqmodel_linear(w, x, 32, 0.01, False)\nprint('done', tuple(codes.shape))\n",
+                  "codes, scales = gptqmodel_linear(w, x, 32, 0.01, False)\nprint('done', tuple(codes.shape))\n",
                   timeout=1200, GPTQMODEL_CPU_WORKERS="1")
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "done (16, 32)", res.stdout[-2000:]

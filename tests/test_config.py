@@ -106,9 +106,9 @@ def test_one_default_job(monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("run_entry", REPO / "run.py")
     run_entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_entry)
-    assert run_entry._with_default_job(["--cfg", "job"]) == ["--cfg", "job", "experiment=compare"]
-    assert run_entry._with_default_job(["--cfg", "job", "model=tiny_phi"]) == ["--cfg", "job", "model=tiny_phi"]
-    assert run_entry._with_default_job(["--help"]) == ["--help"]
+    assert run_entry.with_default_job(["--cfg", "job"]) == ["--cfg", "job", "experiment=compare"]
+    assert run_entry.with_default_job(["--cfg", "job", "model=tiny_phi"]) == ["--cfg", "job", "model=tiny_phi"]
+    assert run_entry.with_default_job(["--help"]) == ["--help"]
 
 
 def test_every_experiment_runner_resolves():

@@ -59,9 +59,10 @@ def test_bundle_heads_match_the_upstream_first_prompts():
         "wikitext2": "Robert <unk> is an English film , television and theatre actor .",
         "humaneval": "from typing import List\n\n\ndef has_close_elements(",
     }
-    for name, head in first.items():
-        path = bundle.BUNDLE_DIR / name / bundle.SLICES[name].file
-        texts = list(ds._texts(ds.SPECS[name], ds.find_asset(name, bundle.BUNDLE_DIR)[1].reader(path), str(path)))
+    for name, head in first.items():  # the bundle read as an assets folder: its texts in record order
+        ps = load_prompt_set(name, PROTOCOL_POOL, bundle.BUNDLE_DIR, allow_hub=False)
+        assert ps.source == f"assets:{bundle.BUNDLE_DIR / name / bundle.SLICES[name].file}"
+        texts = ps.texts
         assert texts[0].startswith(head), (name, texts[0][:80])
         assert not any(t.startswith("= ") for t in texts)  # WikiText headings skipped
 

@@ -247,7 +247,7 @@ def test_hub_used_after_assets_and_its_failures_fall_through(tmp_path, monkeypat
         return iter([{"question": "hub one"}, {"question": " "}, {"question": "hub two"}])
 
     monkeypatch.setattr(ds, "hub_unavailable_reason", lambda timeout_s=0: None)
-    monkeypatch.setattr(ds, "_open_hub", fake_hub)
+    monkeypatch.setattr(ds, "open_hub", fake_hub)
     assert load_prompts("gsm8k", 1, FIXTURES) == EXPECTED["gsm8k"][:1]  # assets first
     assert calls == []
     ps = load_prompt_set("gsm8k", 2, tmp_path)
@@ -256,7 +256,7 @@ def test_hub_used_after_assets_and_its_failures_fall_through(tmp_path, monkeypat
     def broken_hub(hub):
         raise ConnectionError("gated dataset")
 
-    monkeypatch.setattr(ds, "_open_hub", broken_hub)
+    monkeypatch.setattr(ds, "open_hub", broken_hub)
     with pytest.raises(DatasetUnavailable, match=r"failed \(ConnectionError: gated dataset\)"):
         load_prompts("gsm8k", 1, tmp_path)
 

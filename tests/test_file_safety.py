@@ -266,7 +266,7 @@ def test_batch_summary_is_written_atomically(tmp_path, monkeypatch):
     (tmp_path / "batch_summary.csv").write_text("old\n")
     _fail_rename(monkeypatch)
     with pytest.raises(RowStoreError, match="batch_summary.csv"):
-        batch_mod._summarize(tmp_path, [2], {2: "measured"}, {"method": "m", "model": "x", "memory": "low"})
+        batch_mod.write_batch_summary(tmp_path, [2], {2: "measured"}, {"method": "m", "model": "x", "memory": "low"})
     assert (tmp_path / "batch_summary.csv").read_text() == "old\n"
 
 

@@ -27,9 +27,9 @@ def _filled_store(E: int, layers=LAYERS) -> HostExpertStore:
 
 
 def _assert_slot_matches(cache: ExpertCache, layer: int) -> None:
-    for expert, slot in cache._layer(layer).policy.residents().items():
-        ticket = cache._layer(layer).ready[slot]
-        ticket.wait()
+    cache.wait_resident(layer)
+    for expert in cache.resident(layer):
+        slot = cache.slot_of(layer, expert)
         assert torch.equal(cache.slot_buffer(layer, slot), cache.store.buffer(ExpertUID(layer, expert)))
 
 
@@ -203,7 +203,7 @@ def test_cache_invariants_under_random_traffic(ops, cap1, cap2, emulated):
                 assert cache.protected_count(lay) == len(protected)
                 assert cache.pending_prefetches(lay) == prefetched[lay]
             for h in held:  # every live handle still owns its slot
-                assert cache._layer(h.uid.layer).policy.lookup(h.uid.expert) == h.slot
+                assert cache.slot_of(h.uid.layer, h.uid.expert) == h.slot
         c = cache.counters
         assert c.demand_hits + c.demand_misses == demand_acquires
         assert c.loads == c.demand_misses + c.prefetch_loads

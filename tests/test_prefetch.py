@@ -46,16 +46,13 @@ def test_adaptive_planner_walks_its_phases(tiny_checkpoint):
     method = build_method(cfg, tiny_checkpoint("tiny_dsv2"))
     try:
         engine = method.engine
-        phases = []
-        original = engine._draft
-
-        def spy(*args, **kwargs):
-            out = original(*args, **kwargs)
-            phases.append([c.phase for c in engine.planner.trace])
-            return out
-
-        engine._draft = spy
         method.generate(torch.tensor([[3, 99, 410, 77]]), 40, torch.Generator().manual_seed(0))
+        phases: list[list[str]] = []  # per drafted window, the planner's chunks: each window opens with its cold start
+        for phase, *_ in engine.trace.phases:
+            if phase == "cold_start":
+                phases.append([])
+            phases[-1].append(phase)
+        assert len(phases) == len(engine.trace.drafted)  # one group per drafted window
         full = [p for p in phases if len(p) > 1]
         assert full, "no window reached a planner boundary"
         for p in full:

@@ -94,7 +94,7 @@ def test_resume_refuses_a_damaged_or_edited_env_json(damage, tmp_path, capsys):
 
 def test_resume_refuses_another_environment_naming_the_keys(tmp_path):
     from specter.harness.config import ConfigError
-    from specter.harness.output import _check_environment, environment_info
+    from specter.harness.output import check_environment, environment_info
 
     now = environment_info()
     was = json.loads(json.dumps(now))
@@ -102,8 +102,8 @@ def test_resume_refuses_another_environment_naming_the_keys(tmp_path):
     was["packages"]["torch"] = "0.0.1"
     (tmp_path / "env.json").write_text(json.dumps(was))
     with pytest.raises(ConfigError, match=r"differs in: packages\.torch, python"):
-        _check_environment(tmp_path, 1, now=now)
-    _check_environment(tmp_path, 0, now=now)  # no finished record: nothing to mix
+        check_environment(tmp_path, 1, now=now)
+    check_environment(tmp_path, 0, now=now)  # no finished record: nothing to mix
 
 
 # -- 3. the schema is closed to additions --------------------------------------------------------------

@@ -74,7 +74,8 @@ def test_rtn_in_blocks_equals_the_whole_stack(e: int, n: int, k: int, gs: int, b
     from specter.quant import int4
 
     w = torch.randn(e, n, k, generator=_gen(e * n + k))
-    whole = int4._quantize_rtn_rows(w, gs, torch.float16)  # the reference: every weight at once
+    monkeypatch.setattr(int4, "RTN_BLOCK_ELEMENTS", e * n * k)
+    whole = quantize_rtn(w, gs)  # the reference: one block of every weight at once
     monkeypatch.setattr(int4, "RTN_BLOCK_ELEMENTS", block)
     blocked = quantize_rtn(w, gs)
     assert torch.equal(blocked.qweight, whole.qweight) and torch.equal(blocked.scales, whole.scales)

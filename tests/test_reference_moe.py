@@ -19,8 +19,7 @@ def _hf_experts(name: str) -> torch.nn.Module:
     import importlib
 
     module, _, cls = EXPERTS[name].partition(":")
-    config = make_config(name)
-    config._experts_implementation = "eager"
+    config = make_config(name, experts_implementation="eager")  # transformers' per-expert loop, not a fused kernel
     experts = getattr(importlib.import_module(module), cls)(config).float()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -56,8 +56,8 @@ def test_hand_torn_batch_row_is_not_trusted(tmp_path, capsys):
     t.append(batch_row(repeat=1))
     text = path.read_text()
     path.write_text(text[: text.rindex("\n", 0, -1) + 1 + 40])  # the last row cut to 40 characters
-    assert not batch_mod._finished(path, "humaneval", 1)  # read only: not measured, so it runs again
-    assert batch_mod._finished(path, "humaneval", 0)
+    assert not batch_mod.unit_finished(path, "humaneval", 1)  # read only: not measured, so it runs again
+    assert batch_mod.unit_finished(path, "humaneval", 0)
     t = BatchTable(path)
     assert t.is_done("humaneval", 0) and not t.is_done("humaneval", 1)
     assert "line 3: torn last line" in capsys.readouterr().err
@@ -73,7 +73,7 @@ def test_two_parsable_fields_do_not_make_a_batch_row(tmp_path, capsys):
     BatchTable(path).append(batch_row(repeat=0))
     with path.open("a") as f:  # dataset and repeat parse, nothing else does
         f.write("specter,tiny_qwen,low,2,humaneval,fast,,,,,,1" + "," * (len(BATCH_COLUMNS) - 12) + "\n")
-    assert not batch_mod._finished(path, "humaneval", 1)
+    assert not batch_mod.unit_finished(path, "humaneval", 1)
     assert BatchTable(path).done == {("humaneval", "0")}
     assert "batch.csv line 3: required column(s) empty" in capsys.readouterr().err
 
@@ -105,7 +105,8 @@ def test_batch_summary_reads_only_valid_rows(tmp_path, capsys):
     with (out / "batch.csv").open("a") as f:
         f.write("specter,tiny_qwen,low,2,humaneval,1.0,2.0\n")  # torn by hand, glued-on garbage
         f.write('specter,tiny_qwen,low,2,"unterminated\n')
-    batch_mod._summarize(tmp_path, [2], {2: "measured"}, {"method": "specter", "model": "tiny_qwen", "memory": "low"})
+    batch_mod.write_batch_summary(tmp_path, [2], {2: "measured"},
+                                  {"method": "specter", "model": "tiny_qwen", "memory": "low"})
     summary = pd.read_csv(tmp_path / "batch_summary.csv")
     assert summary.repeat.tolist() == [0]
     assert "not counted" in capsys.readouterr().err

@@ -148,6 +148,25 @@ def test_k_below_one_is_rejected(tiny_checkpoint):
         method.close()
 
 
+def test_the_engine_keeps_few_attributes_of_its_own(tiny_checkpoint):
+    """At most 14 instance attributes, the batch loop's included: settings travel as one frozen value,
+    what the runtime already knows is read from it."""
+    import dataclasses
+
+    method = build_method(_method("tiny_qwen", "low", "K=3"), tiny_checkpoint("tiny_qwen"))
+    try:
+        engine = method.engine
+        assert len(vars(engine)) <= 14, sorted(vars(engine))
+        assert (engine.K, engine.params, engine.max_holes) == (3, method.params, 0)
+        assert engine.device == next(method.rt.model.parameters()).device and engine.planner is engine.memory.planner
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            engine.settings.K = 4
+        served = method.make_engine(SamplingParams(temperature=0.7))
+        assert served.params.temperature == 0.7 and served.K == 3  # a served request's sampling, the spec's rest
+    finally:
+        method.close()
+
+
 def test_stochastic_specter_runs_and_is_seeded(tiny_checkpoint):
     """temperature > 0: speculative sampling path (min(1, p/q) acceptance, residual resampling)."""
     method = build_method(_method("tiny_phi", "low", "K=4", "temperature=0.9", "top_p=0.95"), tiny_checkpoint("tiny_phi"))

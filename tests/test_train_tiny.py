@@ -134,7 +134,7 @@ def _fake_runs(monkeypatch, tmp_path, passes: list[bool]) -> list[int]:
                                  "window_vs_independent": [0.8, 0.9]},
                      "gates": {"passed": {"loss": True, "repeat_within_4": ok}}}
 
-    monkeypatch.setattr(tiny_train, "_train_once", once)
+    monkeypatch.setattr(tiny_train, "train_once", once)
     return runs
 
 

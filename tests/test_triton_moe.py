@@ -261,5 +261,5 @@ def test_rejects_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "group size" in triton_moe.supports(torch.zeros(1, 48, device=DEVICE), odd,
                                                quantize_rtn(torch.randn(2, 48, 16), 16))
     if DEVICE.type == "cpu":
-        monkeypatch.setattr(triton_moe, "_INTERPRETED", False)  # as if imported without the interpreter
+        monkeypatch.setattr(triton_moe, "INTERPRETED", False)  # as if imported without the interpreter
         assert "TRITON_INTERPRET" in triton_moe.supports(x.cpu(), gu, dn)

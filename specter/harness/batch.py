@@ -179,17 +179,17 @@ def run_batch(cfg: DictConfig) -> Path:
     datasets, prompt_sets, checkpoint, prompt_ids = prep.datasets, prep.prompt_sets, prep.checkpoint, prep.prompt_ids
     root = Path(cfg.output_dir)
     todo = {B: [(ds, r) for ds in datasets for r in range(cfg.repeats)
-                if not _finished(root / f"B={B}" / "batch.csv", ds, r)] for B in sizes}
+                if not unit_finished(root / f"B={B}" / "batch.csv", ds, r)] for B in sizes}
     status: dict[int, str] = {B: "measured" for B in sizes}
     if any(todo.values()):
         status = _measure(cfg, checkpoint, prompt_sets, prompt_ids, todo)
     else:
         print(f"{root}: every batch size is already measured; nothing to run.")
     base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
-    return _summarize(root, sizes, status, base)
+    return write_batch_summary(root, sizes, status, base)
 
 
-def _finished(path: Path, dataset: str, repeat: int) -> bool:
+def unit_finished(path: Path, dataset: str, repeat: int) -> bool:
     """Whether a size's batch.csv already holds a valid (dataset, repeat) row; read only (no lock needed)."""
     if not path.exists():
         return False
@@ -284,7 +284,7 @@ def _request_row(base, static, texts, ds, repeat, B, req, seed_base) -> dict[str
     }
 
 
-def _summarize(root: Path, sizes: list[int], status: dict[int, str], base: dict[str, str]) -> Path:
+def write_batch_summary(root: Path, sizes: list[int], status: dict[int, str], base: dict[str, str]) -> Path:
     """batch_summary.csv: every size's batch.csv rows (averaged over repeats), plus refused sizes."""
     import pandas as pd
 

@@ -395,7 +395,8 @@ def hub_unavailable_reason(timeout_s: float = HUB_TIMEOUT_S) -> str | None:
     return None
 
 
-def _open_hub(hub: HubSource) -> Iterator[Record]:
+def open_hub(hub: HubSource) -> Iterator[Record]:
+    """The records of one hub split, streamed (the one place prompts come from the network)."""
     from datasets import load_dataset  # heavy import, only when the hub is actually used
 
     data_files = dict(hub.data_files) if hub.data_files else None
@@ -431,7 +432,7 @@ def load_prompt_set(name: str, num_prompts: int, assets_dir: str | Path | None, 
         reason = hub_unavailable_reason()
         if reason is None:
             try:
-                texts = _texts(spec, _open_hub(spec.hub), f"hub:{spec.hub.path}")
+                texts = _texts(spec, open_hub(spec.hub), f"hub:{spec.hub.path}")
                 chosen = _select(texts, num_prompts, seed, f"hub:{spec.hub.path}")
                 return PromptSet(spec.name, chosen, f"hub:{spec.hub.path}")
             except Exception as exc:  # gated repos, HTTP errors, missing configs: all fall through

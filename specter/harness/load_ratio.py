@@ -117,7 +117,7 @@ def calibrate_after_warmup(cfg: DictConfig, checkpoint: Path, method: Any) -> fl
     built = params.per_layer_step_s
     probe()  # discarded: the probe model's first steps since the build run cold
     step = statistics.median(probe() for _ in range(CALIBRATION_PROBES))
-    rt.recalibrate_link(step, cfg.hardware.get("latency_us"), "warm-up probe")
+    params = method.retime_link(step, cfg.hardware.get("latency_us"), "warm-up probe")
     if params.calibration_file:
         write_calibration(Path(params.calibration_file), step)
     print(f"emulated link re-timed after the warm-up: layer step {step * 1e3:.3f} ms (at build {built * 1e3:.3f} ms) "
@@ -137,10 +137,10 @@ def run_load_ratios(cfg: DictConfig, checkpoint: Path, method: Any, calibrated_s
     if params.kind == "emulated":
         probe = _layer_step_probe(cfg, checkpoint, method)
         if probe is None and params.per_layer_step_s:
-            probe = lambda: params.per_layer_step_s
+            probe = lambda: method.rt.link_params.per_layer_step_s
         if calibrated_step_s is not None and cfg.hardware.get("retime_per_record"):
             latency_us = cfg.hardware.get("latency_us")
-            retime = lambda step: rt.recalibrate_link(step, latency_us, "record probe")
+            retime = lambda step: method.retime_link(step, latency_us, "record probe")
     return RecordRatios(LoadRatioMonitor(rt.link, params, probe, tolerance, first_step_s=calibrated_step_s,
                                          retime=retime))
 

@@ -25,6 +25,7 @@ from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats, step_windows, window_routing
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
+from specter.offload.calibrate import LinkParams
 from specter.offload.runtime import Runtime
 from specter.predict.oracle import oracle_bytes
 from specter.predict.planner import PrefetchPlanner
@@ -34,6 +35,7 @@ from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.batched import BatchedAutoregressive, BatchRun
 from specter.speculative.drafter import SharedDrafter
 from specter.speculative.engine import SpeculativeEngine, generate_microbatched
+from specter.speculative.sampling import SamplingParams
 
 
 @dataclass
@@ -89,6 +91,12 @@ class Method:
     def environment(self) -> dict[str, Any]:
         """Parameters worth recording in env.json (e.g. the emulated link)."""
         return {}
+
+    def retime_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> LinkParams:
+        """Re-time this method's emulated link to a layer step measured in the run (`Runtime.recalibrate_link`)
+        and decode through the runtime that carries the new link parameters -> them."""
+        self.rt = self.rt.recalibrate_link(per_layer_step_s, latency_us, source)
+        return self.rt.link_params
 
     def close(self) -> None:
         pass
@@ -253,12 +261,14 @@ class Specter(Method):
         self.draft_bytes = sum(d.nbytes for d in draft.values())
         return draft
 
-    def make_engine(self) -> SpeculativeEngine:
-        """This method's engine from its spec and the pieces it swaps."""
+    def make_engine(self, params: SamplingParams | None = None) -> SpeculativeEngine:
+        """This method's engine from its spec and the pieces it swaps (``params``: sampling that
+        replaces the spec's, e.g. a served request's)."""
         s = self.spec
-        return SpeculativeEngine(self.rt, s.K, s.sampling, prefetch=s.prefetch, planner_config=s.planner,
-                   planner_state=s.planner_state, expert_filter=self.expert_filter(), plan_cap=s.plan_cap,
-                   planner=self.planner(), drafter=self.drafter(), trace_windows=s.trace_windows)
+        return SpeculativeEngine(self.rt, s.K, s.sampling if params is None else params, prefetch=s.prefetch,
+                                 planner_config=s.planner, planner_state=s.planner_state,
+                                 expert_filter=self.expert_filter(), plan_cap=s.plan_cap, planner=self.planner(),
+                                 drafter=self.drafter(), trace_windows=s.trace_windows)
 
     def expert_filter(self):
         """Verification-time expert filter (None: every routed expert is computed, lossless)."""
@@ -327,6 +337,12 @@ class Specter(Method):
             f"(logit margin {margin:.3g} > tie tolerance {self.tie_tolerance:g}): "
             f"{tokens[first:first + 8]} vs {reference[first:first + 8]}"
         )
+
+    def retime_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> LinkParams:
+        params = super().retime_link(per_layer_step_s, latency_us, source)
+        for engine in [self.engine, *self.batch_engines]:  # built over the runtime before: same link, old params
+            engine.rt = self.rt
+        return params
 
     def static_fields(self) -> dict[str, Any]:
         return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.target.schedule,

@@ -153,7 +153,7 @@ def _env_value(data: dict[str, Any], key: str) -> Any:
     return data
 
 
-def _check_environment(out: Path, finished: int, now: dict[str, Any] | None = None) -> None:
+def check_environment(out: Path, finished: int, now: dict[str, Any] | None = None) -> None:
     """The first env.json of a folder with finished records must describe this machine and these
     libraries (ENVIRONMENT_KEYS); any difference is refused, naming the keys."""
     path = out / "env.json"
@@ -284,7 +284,7 @@ def run_folder(cfg: DictConfig, provenance: dict[str, Any] | None = None,
         finished = finished_records(out)
         _check_written(out, finished)
         _check_config(out, cfg, finished, note)
-        _check_environment(out, finished)
+        check_environment(out, finished)
         provenance = dict(provenance or {})
         _check_provenance(out, provenance, finished)
         if finished and prompts is not None:

@@ -50,7 +50,7 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 
 def interpreting() -> bool:
     """True when this module's kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return _INTERPRETED
+    return INTERPRETED
 
 
 def is_silu(act_fn: ActFn) -> bool:
@@ -261,7 +261,7 @@ def _down_kernel(a_ptr, qw_ptr, sc_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr,
 
 
 # triton.jit returns an interpreter object when TRITON_INTERPRET was set at decoration time
-_INTERPRETED = type(_gate_up_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = type(_gate_up_kernel).__name__ == "InterpretedFunction"
 
 
 # ----------------------------------------------------------------------------- launch

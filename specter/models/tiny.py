@@ -113,12 +113,13 @@ def tiny_dir(name: str, trained: bool = False, root: Path | None = None) -> Path
     return root / (f"{name}-trained" if trained else name)
 
 
-def make_config(name: str):
-    """The transformers config of a tiny model (a real config class of the real architecture)."""
+def make_config(name: str, **overrides):
+    """The transformers config of a tiny model (a real config class of the real architecture);
+    ``overrides`` are further config arguments (e.g. ``experts_implementation="eager"``)."""
     from transformers import AutoConfig
 
     spec = _spec(name)
-    return AutoConfig.for_model(spec.model_type, **spec.config_kwargs)
+    return AutoConfig.for_model(spec.model_type, **{**spec.config_kwargs, **overrides})
 
 
 def _spec(name: str) -> TinySpec:

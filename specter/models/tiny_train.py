@@ -130,8 +130,8 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
     src = tiny.ensure_tiny(name, root=root)
     out = tiny.tiny_dir(name, trained=True, root=root)
     for i, n in enumerate(tries):
-        tmp, report = _train_once(name, n, tiny.TINY_SPECS[name].seed, src, out, progress,
-                                  BALANCE_COEF[name] if balance is None else float(balance))
+        tmp, report = train_once(name, n, tiny.TINY_SPECS[name].seed, src, out, progress,
+                                 BALANCE_COEF[name] if balance is None else float(balance))
         pinned = report["pinned_sha256"]
         if pinned and pinned != report["weights_sha256"]:
             log(f"note: trained {name} differs from the pinned weights (sha256 {report['weights_sha256'][:12]} vs "
@@ -153,8 +153,8 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
     raise TrainingRejected(f"trained {name} missed its quality gates ({summary}); left in {rejected}, not installed")
 
 
-def _train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress: bool,
-                balance: float) -> tuple[Path, dict]:
+def train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress: bool,
+               balance: float) -> tuple[Path, dict]:
     """One training run from the random checkpoint `src`, written to `<out>.partial` with its report."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer

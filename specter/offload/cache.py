@@ -292,12 +292,27 @@ class ExpertCache:
         """Staging buffers shared by all layers."""
         return self._staging.shape[0]
 
+    def free_staging(self) -> int:
+        """Staging buffers in the pool now, lent to no layer (all of them at rest)."""
+        return len(self._pool)
+
     def resident(self, layer: int) -> set[int]:
         """Experts in the layer's slots, including ones still loading."""
         return set(self._layer(layer).policy.residents())
 
     def is_resident(self, uid: ExpertUID) -> bool:
-        return self._layer(uid.layer).policy.lookup(uid.expert) is not None
+        return self.slot_of(uid.layer, uid.expert) is not None
+
+    def slot_of(self, layer: int, expert: int) -> int | None:
+        """The slot holding ``expert`` in ``layer`` (it may still be loading), or None."""
+        return self._layer(layer).policy.lookup(expert)
+
+    def wait_resident(self, layer: int) -> None:
+        """Block until the copies into every resident slot of ``layer`` have landed (for inspection:
+        `slot_buffer` then holds each expert's bytes)."""
+        st = self._layer(layer)
+        for slot in st.policy.residents().values():
+            st.ready[slot].wait()
 
     def protected_count(self, layer: int) -> int:
         return self._layer(layer).policy.protected_count()

@@ -38,7 +38,7 @@ class CalibrationError(ValueError):
     """A link calibration file is unreadable, or the link parameters are out of bounds."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LinkParams:
     kind: str  # "cpu" | "emulated" | "cuda"
     bandwidth_bytes_per_s: float | None = None
@@ -197,13 +197,14 @@ class LoadRatioMonitor:
     the record copied nothing); the layer step is the mean of two probes, one just before the
     record (the warm-up probe for the first, or `first_step_s`) and one just after, both outside
     timing. `probe` returns a per-layer step in seconds (None: no probe, the layer step stays empty).
-    `retime` (optional) re-times the link from each closing probe, so a machine that drifts during
-    a run moves the link with it and each record is judged against the step it was timed from.
+    `retime` (optional) re-times the link from each closing probe and returns the new parameters,
+    so a machine that drifts during a run moves the link with it and each record is judged against
+    the step it was timed from.
     """
 
     def __init__(self, link: Any, params: LinkParams, probe: Callable[[], float] | None = None,
                  tolerance: float = DEFAULT_TOLERANCE, first_step_s: float | None = None,
-                 retime: Callable[[float], Any] | None = None):
+                 retime: Callable[[float], LinkParams] | None = None):
         if not tolerance > 0:
             raise ValueError(f"load-ratio tolerance must be > 0, got {tolerance}")
         self.link = link
@@ -236,5 +237,5 @@ class LoadRatioMonitor:
             step = (self._last_step_s + after) / 2 if self._last_step_s is not None else after
             self._last_step_s = after
             if self.retime is not None:
-                self.retime(after)
+                self.params = self.retime(after)  # the next record runs on these
         return EffectiveRatio(self.configured, step, load, self.tolerance)

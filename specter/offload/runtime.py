@@ -6,7 +6,7 @@ Assembled once per method from its spec (`specter.harness.runtime.build_runtime`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,17 +49,18 @@ class Runtime:
     def close(self) -> None:
         self.link.close()
 
-    def recalibrate_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> LinkParams:
+    def recalibrate_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> "Runtime":
         """Re-time an emulated link calibrated from a ratio to a layer step measured later in the run
-        (its warm-up): the link and `link_params` (what env.json records) change together."""
+        (its warm-up) -> the runtime carrying the new `link_params` (what env.json records); this one
+        keeps the old. The link itself is re-tuned (`TransferLink.retune`) for the copies that follow:
+        it is the one both runtimes share."""
         p = self.link_params
         if p.kind != "emulated" or not p.calibrated or not p.load_ratio:
             raise ValueError("only an emulated link calibrated from model.load_ratio can be recalibrated")
         new = link_for_step(self.om.store.nbytes_per_expert, p.load_ratio, per_layer_step_s, latency_us,
                             p.calibration_file, source)
         self.link.retune(new.bandwidth_bytes_per_s, new.latency_s)
-        vars(p).update(vars(new))  # the same object the method and its spec's readers hold
-        return p
+        return replace(self, link_params=new)
 
     def check_budget(self, what: str) -> None:
         """Refuse a footprint over the budget (closing the link)."""

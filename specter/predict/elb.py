@@ -67,6 +67,11 @@ class ExpertLoadBuffer:
             plan[layer] = [e for e in row if e >= 0]  # counted experts form a prefix of the row
         return plan
 
+    def counts(self) -> torch.Tensor:
+        """The counters ``[L, E]`` (int32, rows in ``moe_layers`` order) as a CPU copy (a D2H copy: for
+        inspection and records, not the draft loop)."""
+        return self._cnt.cpu().clone()
+
     def clear(self) -> None:
         """Drop all routing evidence (end of a draft window)."""
         self._cnt.zero_()

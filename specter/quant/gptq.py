@@ -71,8 +71,8 @@ def gptq_reference(w: torch.Tensor, x: torch.Tensor, group_size: int = 128, damp
     return codes, scales
 
 
-def _gptqmodel_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_percent: float,
-                      act_group_aware: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def gptqmodel_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_percent: float,
+                     act_group_aware: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """gptqmodel's GPTQ on one linear; same return convention as `gptq_reference`."""
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
     from specter.quiet import quiet_import
@@ -112,7 +112,7 @@ def quantize_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_perc
     """GPTQ of one linear w [N, K] from inputs x [n, K] -> a one-expert `Int4Experts`."""
     x = x.to(w.device)
     if engine == "gptqmodel":
-        codes, scales = _gptqmodel_linear(w, x, group_size, damp_percent, act_group_aware)
+        codes, scales = gptqmodel_linear(w, x, group_size, damp_percent, act_group_aware)
     elif engine == "builtin":
         codes, scales = gptq_reference(w, x, group_size, damp_percent)
     else:

@@ -46,9 +46,7 @@ def batch_loop(method: Any, params: SamplingParams) -> BatchLoop:
     from specter.harness.methods import OffloadAR, TargetOnly
 
     if hasattr(method, "make_engine"):
-        engine = method.make_engine()  # its spec's sampling; a request's own settings replace them
-        engine.params = params
-        return engine
+        return method.make_engine(params)  # the spec's engine; the request's own sampling replaces the spec's
     if isinstance(method, OffloadAR):
         rt = method.rt
         return BatchedAutoregressive(rt.model, params, moe=rt.moe, num_experts=rt.om.num_experts)

@@ -290,6 +290,22 @@ def window_prefetch(policy: str, layers: list[int], num_experts: int, device: to
 RowFactory = Callable[[list[Request]], Any]  # entering requests -> empty KV rows for them
 
 
+@dataclass(frozen=True)
+class WindowSettings:
+    """What every window of an engine drafts, verifies and keeps by: up to ``K`` draft tokens per
+    request, the sampling ``params``, the verification-time ``expert_filter`` (None: every routed
+    expert, lossless) and the rejected KV columns kept masked before a compaction (``max_holes``)."""
+
+    K: int
+    params: SamplingParams
+    expert_filter: ExpertFilter | None = None
+    max_holes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.K < 1:
+            raise ValueError(f"K must be >= 1, got {self.K}")
+
+
 class SpeculativeEngine(BatchLoop):
     """Draft with INT4 experts, prefetch by the planner, verify expert-wise with the target.
 
@@ -305,15 +321,13 @@ class SpeculativeEngine(BatchLoop):
         """``planner`` (a policy object) replaces the named ``prefetch`` policy; ``drafter`` replaces the
         shared-instance INT4 draft; ``expert_filter`` applies to verification passes only;
         ``trace_windows`` records a `WindowTracer` per run (host-timed links)."""
-        if K < 1:
-            raise ValueError(f"K must be >= 1, got {K}")
+        settings = WindowSettings(K, params, expert_filter, max_holes)
         if planner is None and prefetch not in POLICIES:
             raise ValueError(f"unknown prefetch policy {prefetch!r}; choose one of {POLICIES}")
-        self.rt, self.K, self.params, self.expert_filter, self.max_holes = rt, K, params, expert_filter, max_holes
-        self.planner = planner or make_policy(prefetch, K, rt.om.store.nbytes_per_expert, planner_config)
-        self.memory = PlannerMemory(self.planner, planner_state)
+        self.rt, self.settings = rt, settings
+        self.memory = PlannerMemory(planner or make_policy(prefetch, K, rt.om.store.nbytes_per_expert, planner_config),
+                                    planner_state)
         self.drafter = drafter or SharedDrafter(rt.moe)
-        self.device = next(rt.model.parameters()).device
         capacity = {layer: rt.cache.capacity(layer) for layer in self.layers}  # M per layer
         # experts a window's plan keeps per layer; a verifier that computes at most `plan_cap` experts per
         # layer (MoE-Spec's budget) caps it, so the planner predicts no more than verification can use
@@ -323,9 +337,15 @@ class SpeculativeEngine(BatchLoop):
         self.begin_run()
 
     # ------------------------------------------------------------------------------ views
+    K = property(lambda self: self.settings.K, doc="the most draft tokens per request and window")
+    params = property(lambda self: self.settings.params, doc="sampling: drafts, verification, next tokens")
+    expert_filter = property(lambda self: self.settings.expert_filter, doc="verification passes only")
+    max_holes = property(lambda self: self.settings.max_holes)
     model = property(lambda self: self.rt.model, doc="batched rows run transformers' modules")
+    device = property(lambda self: next(self.rt.model.parameters()).device)
     cache = property(lambda self: self.rt.cache)
     layers = property(lambda self: self.rt.om.moe_layers)
+    planner = property(lambda self: self.memory.planner)
     prefetch = property(lambda self: self.planner.name, doc="the prefetch policy's name")
     planner_state = property(lambda self: self.memory.state)
     elb = property(lambda self: self.prefetcher.elb)
