@@ -20,9 +20,10 @@ PER_EXPERIMENT = {
     "compare": ["model.trained=false", "+compare.method_overrides={specter:{quant:rtn}}", "dataset=humaneval"],
     "load_ratio_sweep": ["model.trained=false", "load_ratio_sweep.ratios=[2]", "load_ratio_sweep.methods=[offload_ar]",
                          "load_ratio_sweep.tiers=[low]", "hardware.ratio_probe_steps=3"],
+    "project": ["project.tokens=4"],
 }
 
-OUTPUT = {"plan": "plan.csv"}  # the memory plan measures nothing: it writes its table
+OUTPUT = {"plan": "plan.csv", "project": "projection.csv"}  # the plan and the projection measure nothing: they write tables
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -28,6 +28,7 @@ EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {
     "batch": _lazy("specter.harness.batch", "run_batch"),
     "plan": _lazy("specter.harness.plan", "run_plan"),
     "load_ratio_sweep": _lazy("specter.harness.load_ratio_sweep", "load_ratio_sweep"),
+    "project": _lazy("specter.harness.project", "run_project"),
 }
 
 

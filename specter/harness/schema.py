@@ -123,13 +123,22 @@ class LoadRatioSweepConfig:
 
 
 @dataclass
+class ProjectConfig:
+    """experiment=project: projected TPOT at the real model's sizes on a modelled device (specter/projection)."""
+
+    device: str = "a100_40gb_pcie4"  # a device file in specter/projection/devices/ (or a path to one)
+    tokens: int = 128  # decode steps replayed
+    routes: str = "auto"  # auto (the tiny proxy's if its checkpoint exists, else independent) | proxy | independent
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     memory: MemoryConfig = MISSING
     dataset: DatasetConfig = MISSING
     method: Any = MISSING  # each method file extends a MethodConfig subclass
     hardware: HardwareConfig = MISSING
-    experiment: str = "run"  # run | k_sweep | batch | compare | plan: what `python run.py` does
+    experiment: str = "run"  # run | k_sweep | batch | compare | plan | project: what `python run.py` does
     num_prompts: int = 5
     repeats: int = 1
     max_new_tokens: int = 128
@@ -152,6 +161,7 @@ class RunConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)  # experiment=batch settings
     compare: dict[str, Any] = field(default_factory=dict)  # experiment=compare settings
     load_ratio_sweep: LoadRatioSweepConfig = field(default_factory=LoadRatioSweepConfig)  # experiment=load_ratio_sweep
+    project: ProjectConfig = field(default_factory=ProjectConfig)  # experiment=project
 
 
 METHOD_SCHEMAS: dict[str, type] = {
