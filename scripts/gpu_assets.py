@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 GPTQ_RUN = ("model=tiny_phi", "method=specter", "method.quant=gptq", "memory=low", "num_prompts=2",
-            "max_new_tokens=48")  # gpu_check.sh step 5 runs exactly these on hardware=cuda
+            "max_new_tokens=48")  # gpu_check.sh step 6 runs exactly these on hardware=cuda
 
 
 def main(argv: list[str] | None = None) -> int:

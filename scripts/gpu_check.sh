@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# What only a GPU can show, in one device call of at most 500 s, on the device image as it is
+# What only a GPU can show, in one device call of at most 530 s, on the device image as it is
 # (its torch / transformers / triton; no registry): each step has a time budget and is stopped at
 # it; a failed or stopped step is recorded and the next one still runs.
 #
 #   0. setup        install the carried wheels (.whl/, from scripts/gpu_prepare.sh) with
 #                   --no-index --target; print GPU, torch, transformers, triton
 #   1. plan         the memory plan of the three real models x both tiers (no weights) -> plan.txt
-#   2. cuda tests   the CUDA test modules (copy stream, events, pinned store, cache, ELB, the compiled
+#   2. device       the projection's device parameters measured here (pinned H2D/D2H bandwidth and
+#                   latency at one DeepSeek-V2-Lite expert, HBM bandwidth, GEMV efficiency, launch
+#                   overhead: python -m specter.projection.measure_device) -> measured_device.yaml,
+#                   then experiment=project on dsv2 with that file (in gpu_check.log)
+#   3. cuda tests   the CUDA test modules (copy stream, events, pinned store, cache, ELB, the compiled
 #                   Triton draft MoE at the real expert shapes, no host sync / CUDA-graph capture,
 #                   kernel selection) and the Triton grid compiled (tests/test_triton_moe.py)
-#   3. cuda graphs  the static one-token step of the compact decoder (tests/gpu/test_gpu_graphs.py):
+#   4. cuda graphs  the static one-token step of the compact decoder (tests/gpu/test_gpu_graphs.py):
 #                   captured by hand into a CUDAGraph and replayed, and compiled with inductor's CUDA
 #                   graphs (no skipped graph); every replay equal to the eager compact step
-#   4. draft kernel the draft-kernel benchmark at the real expert shapes -> draft_kernel.csv
-#   5. e2e tiny     offload_ar and specter (RTN draft: no gptqmodel there; greedy lossless check on)
+#   5. draft kernel the draft-kernel benchmark at the real expert shapes -> draft_kernel.csv
+#   6. e2e tiny     offload_ar and specter (RTN draft: no gptqmodel there; greedy lossless check on)
 #                   on each tiny architecture, hardware=cuda; env.json must say draft_kernel=triton
-#   6. e2e gptq     specter with the carried GPTQ draft of tiny_phi (gptqmodel never imported)
-#   7. rehearsal    the real-width rehearsal (scripts/rehearse_real.sh) on CUDA: real hidden /
+#   7. e2e gptq     specter with the carried GPTQ draft of tiny_phi (gptqmodel never imported)
+#   8. rehearsal    the real-width rehearsal (scripts/rehearse_real.sh) on CUDA: real hidden /
 #                   expert / attention widths and vocab, 2 layers, random weights (or the real
 #                   weights' config when present), every offloading method at both tiers' slots
 #                   -> rehearsal.csv
@@ -24,20 +28,21 @@
 #
 # Usage: bash scripts/gpu_check.sh [output_dir]   default $OUT (the device call's), else results/gpu_check
 #   DRY_RUN=1  print every step with its time budget and stop (runs nothing; no GPU needed)
-# Budgets sum to 500 s; give the device call a 540 s timeout.
+# Budgets sum to 530 s; give the device call a 570 s timeout.
 # Writes under the output folder (at most 8 files, as the device call returns): summary.txt,
-# gpu_check.log, plan.txt, draft_kernel.csv, e2e.csv, rehearsal.csv, env.json.
+# gpu_check.log, plan.txt, measured_device.yaml, draft_kernel.csv, e2e.csv, rehearsal.csv, env.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST="${1:-${OUT:-results/gpu_check}}"
 PY="${PYTHON:-python3}"
 WORK="${GPU_CHECK_WORK:-/tmp/specter-gpu-check}"
-LIMIT_S=500
+LIMIT_S=530
 
 # name | budget (s) | command
 STEPS=(
   "setup|30|step_setup"
   "plan|30|step_plan"
+  "device|30|step_measure_device"
   "cuda tests|130|step_cuda_tests"
   "cuda graphs|50|step_cuda_graphs"
   "draft kernel|60|step_draft_kernel"
@@ -100,6 +105,14 @@ PY
 
 step_plan() {
   "$PY" -m specter.harness.plan output_dir="$WORK/plan" >"$DEST/plan.txt"
+}
+
+step_measure_device() {
+  local file
+  file="$(cd "$DEST" && pwd)/measured_device.yaml"
+  "$PY" -m specter.projection.measure_device --out "$file" && \
+    "$PY" run.py experiment=project model=dsv2 memory=high project.routes=independent \
+      project.device="$file" output_dir="$WORK/project" progress=false
 }
 
 step_cuda_tests() {
@@ -167,7 +180,7 @@ step_rehearsal() {
 
 PYTHON="$PY"
 export DEST WORK PY PYTHON
-export -f step_plan step_cuda_tests step_cuda_graphs step_draft_kernel e2e check_e2e step_e2e_tiny step_e2e_gptq step_rehearsal
+export -f step_plan step_measure_device step_cuda_tests step_cuda_graphs step_draft_kernel e2e check_e2e step_e2e_tiny step_e2e_gptq step_rehearsal
 status=0
 i=0
 for s in "${STEPS[@]}"; do

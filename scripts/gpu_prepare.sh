@@ -56,7 +56,7 @@ DRY_RUN=1 bash scripts/gpu_check.sh | tail -n +2
 cat <<EOF
 
 The device call (the device tool's run; one command, ~8 minutes):
-  run(command="bash scripts/gpu_check.sh", carry=["$WHL", "$ASSETS"], timeout_s=540)
+  run(command="bash scripts/gpu_check.sh", carry=["$WHL", "$ASSETS"], timeout_s=570)
 It writes under \$OUT: summary.txt (each step, its status and seconds), gpu_check.log, plan.txt,
 draft_kernel.csv, e2e.csv, rehearsal.csv, env.json.
 EOF
