@@ -30,3 +30,15 @@ def test_too_few_slots_is_one_clear_error():
     cm = cost_model("dsv2", "a100_40gb_pcie4")
     with pytest.raises(RuntimeError, match="protected"):
         offload_ar(cm, [{0: [10, 11, 12, 13, 14, 15]}], resident=4)
+
+
+def test_staging_buffers_let_fewer_slots_than_top_k_decode():
+    cm = cost_model("dsv2", "a100_40gb_pcie4")
+    routes = [{layer: [10, 11, 12, 13, 14, 15] for layer in range(26)}, {layer: [10, 11, 12, 13, 14, 15] for layer in range(26)}]
+    with pytest.raises(RuntimeError, match="protected"):
+        offload_ar(cm, routes, resident=4, staging=1)  # 4 own + 1 borrowed < 6
+    out = offload_ar(cm, routes, resident=4, staging=2)
+    # token 1: 6 misses per layer, 2 of them staged; after the layer 4 stay resident (its LRU evicted)
+    # token 2: the 4 most recent (12..15) hit, 10 and 11 miss again, both staged
+    assert out["staged_per_token"] == 2 * 26 and out["misses_per_token"] == (6 + 2) * 26 / 2
+    assert out["tpot"] > offload_ar(cm, routes, resident=16)["tpot"]

@@ -28,7 +28,7 @@ REAL_MODELS = ("dsv2", "qwen15moe", "phi35moe")
 PROJECTED = ("target_only", "offload_ar")
 NOT_PROJECTED = ("mo_sc", "mo_sm", "specmoeoff", "moe_spec", "specter")
 ROUTE_CHOICES = ("auto", "proxy", "independent")
-CSV_FIELDS = ("model", "memory", "device", "routes", "tokens", "resident", "method", "tpot_ms", "misses_per_token",
+CSV_FIELDS = ("model", "memory", "device", "routes", "tokens", "resident", "staging", "method", "tpot_ms", "misses_per_token",
               "copy_busy", "note")
 
 
@@ -49,16 +49,37 @@ def real_and_proxy(cfg: DictConfig) -> tuple[str, str, bool]:
     return m.name, proxy, True
 
 
-def real_resident(cfg: DictConfig, real: str) -> int:
-    """Slots per MoE layer: `memory.resident_experts` if given, else the real model's tier in conf/model/<real>.yaml."""
-    from specter.harness.compose import CONF_DIR
+def paper_case(cfg: DictConfig, real: str) -> DictConfig:
+    """The run's config as the paper's case of the real model: conf/model/<real>.yaml (its tiers),
+    hardware=cuda (FP16), one request."""
+    import copy
 
-    if cfg.memory.get("resident_experts") is not None:
-        return int(cfg.memory.resident_experts)
-    tiers = OmegaConf.load(CONF_DIR / "model" / f"{real}.yaml")["tiers"]
-    if cfg.memory.name not in tiers:
-        raise ConfigError(f"{real} defines no memory tier {cfg.memory.name!r} (it has {sorted(tiers)})")
-    return int(tiers[cfg.memory.name]["resident_experts"])
+    from omegaconf import open_dict
+
+    from specter.harness.compose import CONF_DIR, hardware_defaults
+    from specter.harness.schema import HardwareConfig, ModelConfig
+
+    case = copy.deepcopy(cfg)
+    with open_dict(case):
+        if cfg.model.name != real:
+            data = OmegaConf.load(CONF_DIR / "model" / f"{real}.yaml")
+            data.pop("defaults", None)
+            case.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), data)
+        case.hardware = OmegaConf.merge(OmegaConf.structured(HardwareConfig), hardware_defaults("cuda"))
+        case.batch.sizes = [1]
+    return case
+
+
+def real_slots(cfg: DictConfig, real: str) -> tuple[int, int]:
+    """(slots per MoE layer, staging buffers) of offload_ar in the paper's case: `memory.resident_experts`
+    if given, else the real model's tier (conf/model/<real>.yaml `tiers.<tier>.resident_experts`); the
+    staging buffers by the engine's one rule on that tier's budget (as experiment=plan computes them)."""
+    from specter.harness.plan import plan_rows
+
+    case = paper_case(cfg, real)
+    rows, _ = plan_rows(case)
+    row = next(r for r in rows if r.method == "offload_ar" and r.batch == 1)
+    return int(row.resident), int(row.staging)
 
 
 def independent_routes(moe_layers: int, num_experts: int, top_k: int, tokens: int, seed: int) -> list[dict[int, list[int]]]:
@@ -110,7 +131,7 @@ def project_rows(cfg: DictConfig) -> tuple[list[dict[str, str]], dict]:
     except FileNotFoundError as err:
         raise ConfigError(f"project.device: {err}") from None
     s = cm.s
-    M = real_resident(cfg, real)
+    M, staging = real_slots(cfg, real)
     tokens, seed = int(p.tokens), int(cfg.seed)
     folder = tiny_dir(proxy, trained=trained)
     have_proxy = (folder / "config.json").is_file()
@@ -124,21 +145,22 @@ def project_rows(cfg: DictConfig) -> tuple[list[dict[str, str]], dict]:
         routes = independent_routes(s.moe_layers, s.num_experts, s.top_k, tokens, seed)
         source = "independent"
     base = {"model": real, "memory": cfg.memory.name, "device": cm.d.name, "routes": source,
-            "tokens": str(len(routes)), "resident": str(M)}
+            "tokens": str(len(routes)), "resident": str(M), "staging": str(staging)}
     rows = [{**base, "method": "target_only", "tpot_ms": f"{target_only(cm, len(routes)) * 1e3:.4f}",
              "misses_per_token": "", "copy_busy": "", "note": "every expert resident"}]
-    if M < s.top_k:
+    if M + staging < s.top_k:
         rows.append({**base, "method": "offload_ar", "tpot_ms": "", "misses_per_token": "", "copy_busy": "",
-                     "note": f"not projected yet: M={M} < top-k={s.top_k} needs the staging buffers, not modelled"})
+                     "note": f"not projected: M={M} + {staging} staging buffers < top-k={s.top_k}"})
     else:
-        r = offload_ar(cm, routes, min(M, s.num_experts))
+        r = offload_ar(cm, routes, min(M, s.num_experts), staging)
+        note = "LRU on demand" + (f"; {r['staged_per_token']:.2f} staged loads/token" if r["staged_per_token"] else "")
         rows.append({**base, "method": "offload_ar", "tpot_ms": f"{r['tpot'] * 1e3:.4f}",
                      "misses_per_token": f"{r['misses_per_token']:.4f}", "copy_busy": f"{r['copy_busy']:.4f}",
-                     "note": "LRU on demand"})
+                     "note": note})
     for name in NOT_PROJECTED:
         rows.append({**base, "method": name, "tpot_ms": "", "misses_per_token": "", "copy_busy": "",
                      "note": "not projected yet"})
-    facts = {"real": real, "proxy": proxy, "source": source, "resident": M, "shape": s, "device": cm.d.name,
+    facts = {"real": real, "proxy": proxy, "source": source, "resident": M, "staging": staging, "shape": s, "device": cm.d.name,
              "h2d_ms": cm.h2d() * 1e3, "tokens": len(routes)}
     return rows, facts
 
@@ -156,7 +178,7 @@ def format_projection(rows: list[dict[str, str]], facts: dict) -> str:
     routes = (f"routes of the proxy {facts['source']} (held-out text, teacher-forced, mapped onto the real layers)"
               if facts["source"] != "independent" else "INDEPENDENT uniform top-k routes (no proxy checkpoint found)")
     lines = [f"projected TPOT: {facts['real']} memory={rows[0]['memory']} (M={facts['resident']} of {s.num_experts} "
-             f"experts, top-{s.top_k}, {s.moe_layers} MoE layers) on {facts['device']}, {facts['tokens']} tokens of "
+             f"experts + {facts['staging']} staging buffers, top-{s.top_k}, {s.moe_layers} MoE layers) on {facts['device']}, {facts['tokens']} tokens of "
              f"{routes}",
              "  a model of that machine (cost model + virtual clock), not a measurement; one expert's H2D "
              f"{facts['h2d_ms']:.3f} ms"]
