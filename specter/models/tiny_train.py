@@ -2,7 +2,10 @@
 
 Random weights make greedy decoding repeat one token and hit the same experts every step, which
 would flatter every cache. A fixed number of next-token training steps on the Python standard
-library's sources (the tokenizer's corpus) gives varied text and routing.
+library's sources (the tokenizer's corpus) gives varied text; next-token training alone collapses
+the routing (half of tiny_dsv2's experts never fired), so a per-layer expert balance loss is added,
+as the real models are trained with one, and the model must pass routing gates on held-out text
+(`specter.routing_stats.RoutingGates`) as well as the quality gates.
 
 Training is a pure function of (spec, steps, seed, torch version, CPU kind): a fixed step count
 (never a wall-clock budget, which made the model depend on how busy the machine was), seeded
