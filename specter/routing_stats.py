@@ -307,6 +307,7 @@ def _figure(report: dict, path: Path) -> None:
     for layer, share in report["sorted_share"].items():
         left.plot(range(1, n + 1), [max(x, 1e-5) for x in share], label=f"layer {layer}")  # log axis: no zeros
     left.axhline(1 / n, color="k", ls="--", lw=0.8, label="uniform")
+    left.axhline(1 / (10 * n), color="tab:red", ls=":", lw=0.8, label="dead below (1/10E)")
     left.set(xlabel="expert rank", ylabel="share of routes", title="expert usage, sorted", yscale="log")
     left.legend(fontsize=8)
     fig.suptitle(f"{report['model_type']} routing on {report['text']}", fontsize=10)
