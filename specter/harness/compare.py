@@ -14,6 +14,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specter.harness.config import ConfigError
+from specter.harness.paired import paired_ratio
 from specter.harness.records import read_records
 from specter.paths import safe_name, write_table
 
@@ -39,13 +40,15 @@ def method_config(cfg: DictConfig, method: str) -> DictConfig:
 
 
 def comparison_table(records: pd.DataFrame, reference: str = "target_only", baseline: str = "offload_ar") -> pd.DataFrame:
-    """One row per method: TPOT, speedup over `baseline`, acceptance, I/O against the oracle, the routing regime
-    (cache hit rate, window working set over independent routing), token equality."""
+    """One row per method: TPOT, speedup over `baseline` (ratio of median TPOTs, and the median of per-pair
+    ratios over the prompts and repeats both ran, with a bootstrap CI), acceptance, I/O against the oracle, the
+    routing regime (cache hit rate, window working set over independent routing), token equality."""
     rows = []
-    ref = records[records.method == reference].set_index(["dataset", "prompt_index", "repeat"]).output_digest
+    ref = records[records.method == reference].set_index(_PAIR_KEY).output_digest
     base_tpot = records[records.method == baseline].tpot_ms.median() if (records.method == baseline).any() else None
+    base_pairs = records[records.method == baseline].groupby(_PAIR_KEY).tpot_ms.median()
     for method, df in records.groupby("method", sort=False):
-        digests = df.set_index(["dataset", "prompt_index", "repeat"]).output_digest
+        digests = df.set_index(_PAIR_KEY).output_digest
         common = digests.index.intersection(ref.index)
         same = bool((digests[common] == ref[common]).all()) if len(common) else None
         tpot = df.tpot_ms.median()
@@ -54,6 +57,7 @@ def comparison_table(records: pd.DataFrame, reference: str = "target_only", base
         rows.append({
             "method": method, "records": len(df), "tpot_ms": tpot,
             f"speedup_vs_{baseline}": base_tpot / tpot if base_tpot and tpot else None,
+            **_paired_columns(base_pairs, df),
             "acceptance_alpha": df.acceptance_alpha.mean() if df.acceptance_alpha.notna().any() else None,
             "tokens_per_iteration": df.mean_accepted_len.mean() if df.mean_accepted_len.notna().any() else None,
             "h2d_mb_per_token": h2d / df.new_tokens.sum() / 1e6 if h2d is not None else None,
@@ -65,6 +69,21 @@ def comparison_table(records: pd.DataFrame, reference: str = "target_only", base
             **_ratio_columns(df),
         })
     return pd.DataFrame(rows)
+
+
+_PAIR_KEY = ["dataset", "prompt_index", "repeat"]  # a pair: the same prompt and repeat run by two methods
+
+
+def _paired_columns(base_pairs: pd.Series, df: pd.DataFrame) -> dict:
+    """Median and 95% bootstrap CI of the per-pair TPOT ratios baseline / method, over the pairs both measured
+    with a positive TPOT; None (and 0 pairs) where there are none."""
+    mine = df.groupby(_PAIR_KEY).tpot_ms.median()
+    both = pd.concat([base_pairs.rename("base"), mine.rename("other")], axis=1, join="inner").dropna()
+    both = both[(both.base > 0) & (both.other > 0)]
+    if both.empty:
+        return {"speedup_paired_median": None, "speedup_ci_low": None, "speedup_ci_high": None, "pairs": 0}
+    r = paired_ratio(both.base.tolist(), both.other.tolist())
+    return {"speedup_paired_median": r.median, "speedup_ci_low": r.low, "speedup_ci_high": r.high, "pairs": r.n}
 
 
 def _mean(df: pd.DataFrame, column: str) -> float | None:
@@ -106,18 +125,28 @@ def print_comparison(table: pd.DataFrame, title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title, header_style="bold")
-    for col in table.columns:
+    cols = [c for c in table.columns if c not in ("speedup_ci_low", "speedup_ci_high")]  # shown with the median
+    for col in cols:
         t.add_column(_HEADERS.get(col, col.replace("_", " ")), justify="left" if col == "method" else "right")
     for _, row in table.iterrows():
-        t.add_row(*[_fmt(row[c]) for c in table.columns])
+        t.add_row(*[_fmt_paired(row) if c == "speedup_paired_median" else _fmt(row[c]) for c in cols])
     Console(width=160).print(t)
 
 
-_HEADERS = {"tpot_ms": "TPOT ms", "speedup_vs_offload_ar": "× vs offload_ar", "acceptance_alpha": "α",
+_HEADERS = {"tpot_ms": "TPOT ms", "speedup_vs_offload_ar": "× vs offload_ar",
+            "speedup_paired_median": "paired ×", "acceptance_alpha": "α",
             "tokens_per_iteration": "tokens/iter", "h2d_mb_per_token": "H2D MB/token",
             "h2d_over_oracle": "H2D ÷ oracle", "hit_rate": "hit", "window_experts_vs_independent": "WS÷ind",
             "same_tokens_as_target_only": "= target_only",
             "load_ratio": "r set", "effective_load_ratio": "r run", "load_ratio_off": "r off"}
+
+
+def _fmt_paired(row) -> str:
+    """The paired speedup median with its CI, e.g. `2.15 [1.92–2.41]`."""
+    median, low, high = (row.get(c) for c in ("speedup_paired_median", "speedup_ci_low", "speedup_ci_high"))
+    if _fmt(median) == "—":
+        return "—"
+    return f"{median:.3g} [{low:.3g}–{high:.3g}]"
 
 
 def _fmt(v) -> str:
