@@ -1,6 +1,6 @@
 """Train the tiny MoE checkpoints for a fixed number of steps (deterministic, one thread).
 
-    python -m initialization.train_tiny                      # all three, about 3 CPU minutes each
+    python -m initialization.train_tiny                      # all three, about 3-4 CPU minutes each
     python -m initialization.train_tiny tiny_qwen --steps 50 # a shorter variant (not the pinned one)
 
 Benchmarks and the default run use the trained variants; `python run.py` also builds a missing
