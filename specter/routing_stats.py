@@ -24,23 +24,18 @@ import json
 import math
 import random
 import sys
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from specter.metrics import independent_working_set
 
 HELD_OUT = ("humaneval", "gsm8k")  # never in the training corpus (the Python standard library)
 BATCHES = (1, 2, 4, 8, 16, 32)
 SAMPLES = 256  # random draws of B windows per B
 # Paper, Fig. 16 text: the verification working set grows this much from B = 1 to B = 2
 PAPER_GROWTH = {"deepseek_v2": 1.31, "qwen2_moe": 1.52}
-CONF_FOR_TYPE = {"deepseek_v2": "dsv2", "qwen2_moe": "qwen15moe", "phimoe": "phi35moe"}
-
-
-def independent_working_set(num_experts: int, top_k: int, tokens: int) -> float:
-    """Expected distinct experts `tokens` independent top-k routes touch: E·(1 − (1 − k/E)^n)."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 # ---- statistics of recorded routes (pure functions of the routes) --------------------------------
@@ -79,20 +74,23 @@ def working_set(window_sets: list[set[int]], batch: int, samples: int = SAMPLES,
 
 
 def lru_hit_rate(routes: torch.Tensor, slots: int) -> float:
-    """Share of demanded experts already resident in an on-demand LRU cache of `slots` experts,
-    token by token (the cache offload_ar keeps). routes [N, k]."""
-    cache: OrderedDict[int, None] = OrderedDict()
+    """Share of demanded experts already resident in an on-demand cache of `slots` experts run by the
+    engine's own eviction policy (`LRUPolicy`), token by token, hits touched before misses are
+    placed (offload_ar's order). routes [N, k]."""
+    from specter.offload.cache import LRUPolicy
+
+    policy = LRUPolicy(slots)
     hits = demands = 0
     for row in routes.tolist():
-        for e in dict.fromkeys(row):  # one demand per distinct expert of the token
-            demands += 1
-            if e in cache:
-                hits += 1
-                cache.move_to_end(e)
-            else:
-                cache[e] = None
-                if len(cache) > slots:
-                    cache.popitem(last=False)
+        experts = list(dict.fromkeys(row))  # one demand per distinct expert of the token
+        resident = [e for e in experts if policy.lookup(e) is not None]
+        for e in resident:
+            policy.touch(e)
+        for e in experts:
+            if policy.lookup(e) is None:
+                policy.admit(e)
+        hits += len(resident)
+        demands += len(experts)
     return hits / max(demands, 1)
 
 
@@ -218,12 +216,12 @@ def _texts(source: str, tokenizer, tokens: int) -> list[str]:
 def routing_report(model, tokenizer, window: int, tiers: dict[str, int], sources: tuple[str, ...] = HELD_OUT,
                    tokens: int = 4096) -> dict:
     """Everything the tool prints and writes, as one JSON-ready dict, from the model's routes."""
-    cfg = model.config
-    num_experts = int(getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None)
-                      or cfg.num_local_experts)
+    from specter.models.facts import facts_from_config
+
+    facts = facts_from_config(model.config)
     docs, text = held_out_docs(tokenizer, sources, tokens)
     routes = record_routes(model.eval(), docs)
-    return summarize_routes(routes, num_experts, int(cfg.num_experts_per_tok), cfg.model_type, window, tiers, text)
+    return summarize_routes(routes, facts.num_experts, facts.top_k, facts.model_type, window, tiers, text)
 
 
 def summarize_routes(routes: dict[int, list[torch.Tensor]], num_experts: int, top_k: int, model_type: str,
@@ -334,13 +332,13 @@ def _load(checkpoint: str, untrained: bool):
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{checkpoint!r} is neither a tiny model ({', '.join(tiny.TINY_SPECS)}) "
                                     "nor a checkpoint folder with a config.json")
-        conf = None
+        from specter.models.facts import MODEL_TYPES, facts_from_config, read_config
+
+        model_type = facts_from_config(read_config(folder)).model_type  # refuses another architecture first
+        conf = {t: name for name, t in MODEL_TYPES.items()}[model_type]
+    tiny_model = checkpoint in tiny.TINY_SPECS
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32 if conf else torch.bfloat16)
-    if conf is None:
-        conf = CONF_FOR_TYPE.get(model.config.model_type)
-        if conf is None:
-            raise ValueError(f"model type {model.config.model_type!r} is not one of {sorted(CONF_FOR_TYPE)}")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32 if tiny_model else torch.bfloat16)
     return model, tokenizer, conf
 
 
@@ -372,9 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokens must be at least 64, got {args.tokens}")
     if args.K is not None and args.K < 1:
         parser.error(f"--K must be >= 1, got {args.K}")
+    from specter.models.facts import CheckpointFactsError
+
     try:
         model, tokenizer, conf = _load(args.checkpoint, args.untrained)
-    except (FileNotFoundError, ValueError, OSError) as err:
+    except (FileNotFoundError, ValueError, OSError, CheckpointFactsError) as err:
         print(f"routing_stats: error: {err}", file=sys.stderr)
         return 2
     K, tiers = model_defaults(conf)

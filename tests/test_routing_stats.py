@@ -16,11 +16,6 @@ from specter.models.balance import RouterTap, expert_balance_loss, expert_balanc
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.mark.parametrize("E,k,n,expected", [(64, 6, 17, 52.0), (60, 4, 9, 27.8), (16, 2, 17, 14.3), (8, 8, 1, 8.0)])
-def test_independent_working_set_matches_hand_values(E, k, n, expected):
-    assert rs.independent_working_set(E, k, n) == pytest.approx(expected, abs=0.05)
-
-
 def test_usage_entropy_dead_experts_and_top8():
     routes = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])  # [N, k]; expert 0 carries half
     share = rs.usage_share(routes, 5)
@@ -122,3 +117,31 @@ def test_the_tool_writes_its_files_and_refuses_what_it_cannot_read(tmp_path, tin
     assert "neither a tiny model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         rs.main(["tiny_qwen", "--K", "0"])
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("tiny_dsv2", dict(n_routed_experts=24, num_experts_per_tok=3, norm_topk_prob=True, q_lora_rank=None,
+                       moe_intermediate_size=64)),
+    ("tiny_qwen", dict(num_experts=12, num_experts_per_tok=2, norm_topk_prob=True, hidden_size=64)),
+])
+def test_an_unseen_checkpoint_folder_is_measured_with_its_own_sizes(tmp_path, tiny_checkpoint, capsys, name, overrides):
+    """Other expert counts, top-k, widths, norm_topk_prob and no q_lora: read from the checkpoint, not assumed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specter.models import tiny
+    from specter.models.balance import RouterTap, routers_of
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny.make_config(name, **overrides), dtype=torch.float32)
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_checkpoint(name)).save_pretrained(folder)
+    assert rs.main([str(folder), "--tokens", "128", "--K", "4", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "routing.json").read_text())
+    E, k = overrides.get("n_routed_experts", overrides.get("num_experts")), overrides["num_experts_per_tok"]
+    assert report["num_experts"] == E and report["top_k"] == k and report["window_tokens"] == 5
+    assert len(report["sorted_share"]["1"]) == E
+    tap = RouterTap(routers_of(model.train()))
+    with tap.attached():
+        model(input_ids=torch.arange(10)[None])
+    assert tap.balance_loss().item() >= 1.0 - 1e-6

@@ -94,13 +94,13 @@ def proxy_routes(folder: Path, tokens: int, moe_layers: int, num_experts: int, s
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specter.models.facts import facts_from_config
     from specter.projection.mapping import RouteMap
     from specter.routing_stats import HELD_OUT, held_out_docs, record_routes
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    c = model.config
-    tiny_experts = int(getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or c.num_local_experts)
+    tiny_experts = facts_from_config(model.config).num_experts
     docs, _ = held_out_docs(tokenizer, HELD_OUT, tokens)
     recorded = record_routes(model, docs)  # tiny MoE layer -> per document [N_d, k]
     layers = sorted(recorded)

@@ -76,14 +76,12 @@ def environment_of(method: Method, checkpoint: Path, digest: str, **extra: Any) 
             "weights_sha256": digest, "model_routing": model_routing(checkpoint), **extra}
 
 
-TRAINED_REPORT = "specter_trained.json"  # written beside a trained tiny model (specter/models/tiny_train.py)
-
-
 def model_routing(checkpoint: Path) -> dict[str, Any] | None:
     """The routing facts a trained model's report states (its `"routing"` entry: dead experts and
     usage entropy per MoE layer, measured on `tokens` tokens of `text`), or None when the checkpoint
     has no report or the report has no such entry. Read defensively: a missing, unreadable or
     malformed report is None, a malformed field is null, and nothing here stops a run."""
+    from specter.models.tiny_train import TRAINED_REPORT
     from specter.paths import read_json_object
 
     try:

@@ -84,14 +84,9 @@ class RouterTap:
 
 
 def routers_of(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """MoE layer index -> its router module (`gate` in DeepSeek-V2 / Qwen2-MoE, `router` in PhiMoE)."""
-    from specter.models.arch import moe_blocks
+    """MoE layer index -> its router module (`MoEArch.router_attr`: `gate` in DeepSeek-V2 / Qwen2-MoE,
+    `router` in PhiMoE)."""
+    from specter.models.arch import arch_for, moe_blocks
 
-    out = {}
-    for layer, block in moe_blocks(model).items():
-        router = getattr(block, "gate", None) if isinstance(getattr(block, "gate", None), torch.nn.Module) \
-            else getattr(block, "router", None)
-        if not isinstance(router, torch.nn.Module):
-            raise TypeError(f"the MoE block of layer {layer} ({type(block).__name__}) has no router module")
-        out[layer] = router
-    return out
+    attr = arch_for(model.config.model_type).router_attr
+    return {layer: getattr(block, attr) for layer, block in moe_blocks(model).items()}

@@ -16,6 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+# The transformers model_type of each real model's checkpoint (tiny models mirror theirs: `model.real`).
+MODEL_TYPES = {"dsv2": "deepseek_v2", "qwen15moe": "qwen2_moe", "phi35moe": "phimoe"}
+
 # Config attribute holding the routed-expert count, per architecture.
 _EXPERT_KEYS = {"deepseek_v2": "n_routed_experts", "qwen2_moe": "num_experts", "phimoe": "num_local_experts"}
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from specter.models import tiny
+from specter.models.facts import MODEL_TYPES
 from specter.paths import file_sha256
 
 
@@ -103,8 +104,6 @@ def checkpoint_digest(checkpoint: Path) -> str:
     return h.hexdigest()
 
 
-# The transformers model_type of each real model's checkpoint (tiny models mirror theirs: `model.real`).
-MODEL_TYPES = {"dsv2": "deepseek_v2", "qwen15moe": "qwen2_moe", "phi35moe": "phimoe"}
 
 
 def checkpoint_problem(checkpoint: Path, model: str, real: str | None = None, offloads: bool = True) -> str | None:

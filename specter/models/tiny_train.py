@@ -33,6 +33,7 @@ from specter.models import tiny
 from specter.models.balance import RouterTap, routers_of
 from specter.paths import atomic_write_text
 
+TRAINED_REPORT = "specter_trained.json"  # beside the trained weights: steps, gates, routing, digests
 SEQ_LEN, BATCH, LR, WEIGHT_DECAY = 128, 8, 3e-3, 0.01
 CORPUS_BYTES = 3_000_000
 # CPU seconds per step, measured on one core of a 2-core CPU; for the time estimate only
@@ -230,7 +231,7 @@ def train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress:
         "weights_sha256": digest, "pinned_sha256": tiny.trained_pin(name) if default else None,
         "files": tiny.file_sha256s(tmp),
     }
-    atomic_write_text(tmp / "specter_trained.json", json.dumps(report, indent=1))
+    atomic_write_text(tmp / TRAINED_REPORT, json.dumps(report, indent=1))
     return tmp, report
 
 
@@ -238,7 +239,7 @@ def trained_problem(folder: Path) -> str | None:
     """Why the installed trained model in `folder` must not be used, or None when it is sound:
     its record is missing or unreadable, a quality gate failed, or a weight file changed."""
     try:
-        report = json.loads((folder / "specter_trained.json").read_text())
+        report = json.loads((folder / TRAINED_REPORT).read_text())
         files, passed = report["files"], report["gates"]["passed"]
     except (OSError, ValueError, KeyError, TypeError):
         return "its specter_trained.json is missing, unreadable or from an older version"
