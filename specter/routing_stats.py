@@ -336,9 +336,8 @@ def _load(checkpoint: str, untrained: bool):
 
         model_type = facts_from_config(read_config(folder)).model_type  # refuses another architecture first
         conf = {t: name for name, t in MODEL_TYPES.items()}[model_type]
-    tiny_model = checkpoint in tiny.TINY_SPECS
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32 if tiny_model else torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")  # the checkpoint's own dtype
     return model, tokenizer, conf
 
 
