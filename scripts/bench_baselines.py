@@ -5,7 +5,7 @@ folders under --out/baselines/:
 
     specter                  the paper's method (GPTQ draft, adaptive prefetch, model-default K)
     mo_sc / mo_sm            Mixtral-Offloading, same cache / same total device memory
-    specmoeoff               separate draft, K=3, route-frequency prefetch
+    specmoeoff               separate draft, every slot that fits, K=3 (no profile), route-frequency prefetch
     moe_spec[B=..,mode]      Specter + verification-time expert budget, two budgets x both modes
 
 then writes one row per variant to --out/baselines.csv and prints it: TPOT (median over records),

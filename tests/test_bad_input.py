@@ -108,7 +108,7 @@ CASES = [
      "method.experts_implementation", True),
     ("tie_tolerance", ["lossless_tie_tolerance=-1"], "lossless_tie_tolerance", True),
     ("staging_per_layer", ["method=specter", "method.staging_per_layer=-1"], "method.staging_per_layer", True),
-    ("specmoeoff_residents", ["method=specmoeoff", "method.residents.high=0"], "method.residents.high", True),
+    ("specmoeoff_residents", ["method=specmoeoff_artifact", "method.residents.high=0"], "method.residents.high", True),
 ]
 
 

@@ -25,10 +25,11 @@ class Skip(Exception):
 
 
 # Methods the paper compares, in its order; any other method found in the data follows, sorted.
-KNOWN_METHODS = ("specter", "specmoeoff", "moe_spec", "mo_sm", "mo_sc", "offload_ar", "vllm",
+KNOWN_METHODS = ("specter", "specmoeoff", "specmoeoff_artifact", "moe_spec", "mo_sm", "mo_sc", "offload_ar", "vllm",
                  "transformers", "llamacpp", "target_only")
 METHOD_LABELS = {
-    "specter": "Specter", "specmoeoff": "SpecMoEOff", "moe_spec": "MoE-Spec", "mo_sm": "MO-SM",
+    "specter": "Specter", "specmoeoff": "SpecMoEOff", "specmoeoff_artifact": "SpecMoEOff (artifact preset)",
+    "moe_spec": "MoE-Spec", "mo_sm": "MO-SM",
     "mo_sc": "MO-SC", "offload_ar": "Offload-AR", "vllm": "vLLM", "transformers": "Transformers",
     "llamacpp": "llama.cpp", "target_only": "Target only",
 }

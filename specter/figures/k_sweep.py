@@ -64,6 +64,8 @@ def sweep_table(results: ResultSet) -> pd.DataFrame:
             print(f"note: {path} lacks K/mean_tpot_ms; ignored")
             continue
         info = sweep_info(results, path, df)
+        if info.get("method", "specter") != "specter":  # another method's own K profile (SpecMoEOff's range)
+            continue
         df = df.assign(model=info.get("model"), memory=info.get("memory") or "", hardware=info.get("hardware") or "",
                        chosen=df["K"] == info["K"])
         frames.append(df)

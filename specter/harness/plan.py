@@ -35,7 +35,7 @@ from specter.offload.budget import Footprint
 
 GB = 1e9
 A100_40GB = 40.0  # GB: the paper's GPU (the card has 40 GiB; 40e9 bytes leaves ~2.9 GB for the CUDA context)
-OFFLOADING = ("offload_ar", "mo_sc", "mo_sm", "specter", "moe_spec", "specmoeoff")
+OFFLOADING = ("offload_ar", "mo_sc", "mo_sm", "specter", "moe_spec", "specmoeoff", "specmoeoff_artifact")
 ENGINES = ("transformers", "llamacpp", "vllm")
 METHODS = ("target_only", *OFFLOADING, *ENGINES)
 
@@ -207,19 +207,24 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
     for B in sizes:
         add("mo_sm", B, int(M_sm), st_sm, 0, B * kv_tok * seq(0), scratch(0, B),
             note=f"{source}; derived M'={derivation['resident']}")
-    # specmoeoff: K=3, a separate draft (own non-expert copy, INT4 experts, KV, scratch), preset residents capped
-    so = method_defaults("specmoeoff", cfg)
-    K_so = int(cfg.K) if cfg.get("K") is not None else int(so.K)
-    preset_so = max(1, min(E, round(int(so.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
-    kv1, scr1 = kv_tok * seq(K_so), scratch(K_so, 1)
-    fixed = f.non_expert_bytes + kv1 + scr1 + draft + f.non_expert_bytes + kv1 + scr1
-    fit = max(1, (budget - fixed) // (L * eb))
-    M_so = int(min(preset_so, fit))
-    st_so = staging("specmoeoff", Footprint(f.non_expert_bytes, M_so * L * eb, draft, 2 * kv1, 2 * scr1,
-                                            draft_non_expert=f.non_expert_bytes), 1)
-    for B in sizes:
-        add("specmoeoff", B, M_so, st_so, draft, 2 * B * kv1, 2 * B * scr1, draft_non_expert=f.non_expert_bytes,
-            note=f"K={K_so}; preset {preset_so}, budget fits {fit}")
+    # specmoeoff (as designed: every slot that fits) and specmoeoff_artifact (the 12/2 preset, capped by the
+    # fit): a separate draft (own non-expert copy, INT4 experts, KV, scratch), K= else method.K (profiles unread)
+    for name in ("specmoeoff", "specmoeoff_artifact"):
+        so = method_defaults(name, cfg)
+        K_so = int(cfg.K) if cfg.get("K") is not None else int(so.K)
+        kv1, scr1 = kv_tok * seq(K_so), scratch(K_so, 1)
+        fixed = f.non_expert_bytes + kv1 + scr1 + draft + f.non_expert_bytes + kv1 + scr1
+        fit = min(E, (budget - fixed) // (L * eb))
+        if name == "specmoeoff":
+            M_so, how = max(1, fit), "every slot that fits"
+        else:
+            preset_so = max(1, min(E, round(int(so.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
+            M_so, how = int(min(preset_so, max(1, fit))), f"preset {preset_so}"
+        st_so = staging(name, Footprint(f.non_expert_bytes, M_so * L * eb, draft, 2 * kv1, 2 * scr1,
+                                        draft_non_expert=f.non_expert_bytes), 1)
+        for B in sizes:
+            add(name, B, M_so, st_so, draft, 2 * B * kv1, 2 * B * scr1, draft_non_expert=f.non_expert_bytes,
+                note=f"K={K_so}; {how}, budget fits {fit}")
     # engines that place weights themselves, given the tier's budget (B=1 only: their batching is theirs)
     n_ctx = P + max(N, int(cfg.warmup_tokens)) + 1
     itemsize = torch.finfo(dtype).bits // 8

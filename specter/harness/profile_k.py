@@ -4,7 +4,9 @@ Following the paper, the expected accepted run before a rejection is E[A] = ᾱ/
 ᾱ of ~0.97 motivates K_max = 32 and the sweep K ∈ {2,4,6,8,12,16,20,24,32} over representative
 prompts × repeats. Each K is an ordinary resumable run in `<output_dir>/K=<K>/`; the sweep writes
 `k_sweep.csv` (one row per K) and `k_profile.json` (the chosen K), which `k_profile=<path>` feeds
-back into `method=specter`.
+back into `method=specter`. `method=specmoeoff` profiles its own K the same way over its own range
+(`method.k_range`, which replaces k_sweep.values); its profile names the method, and only
+SpecMoEOff reads a profile that does.
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ from specter.harness.records import read_records
 from specter.paths import atomic_write_text, write_table
 
 
+# methods a K sweep profiles; a method whose config has `k_range` sweeps that range
+PROFILED_METHODS = ("specter", "specmoeoff")
+
+
 def sweep_values(cfg: DictConfig) -> list[int]:
-    values = list(cfg.k_sweep["values"])
-    if not values or any(not isinstance(k, int) or k < 1 for k in values):
-        raise ConfigError(f"k_sweep.values must be integers >= 1, got {values}")
+    key = "method.k_range" if cfg.method.get("k_range") else "k_sweep.values"
+    values = list(cfg.method.k_range if key == "method.k_range" else cfg.k_sweep["values"])
+    if not values or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in values):
+        raise ConfigError(f"{key} must be integers >= 1, got {values}")
     return sorted(set(values))
 
 
@@ -36,8 +43,9 @@ def choose_K(table: pd.DataFrame) -> int:
 def profile_k(cfg: DictConfig) -> Path:
     from specter.harness.run import run
 
-    if cfg.method.name != "specter":
-        raise ConfigError(f"a K sweep profiles method=specter, not method={cfg.method.name}")
+    if cfg.method.name not in PROFILED_METHODS:
+        raise ConfigError(f"a K sweep profiles method={' or method='.join(PROFILED_METHODS)}, "
+                          f"not method={cfg.method.name}")
     root = Path(cfg.output_dir)
     rows = []
     for K in sweep_values(cfg):
@@ -57,7 +65,7 @@ def profile_k(cfg: DictConfig) -> Path:
     best = table.loc[table.K == choose_K(table)].iloc[0]
     alpha = float(best.acceptance_alpha)  # α at the chosen K (α differs across K; never averaged over them)
     profile = {
-        "model": cfg.model.name, "memory": cfg.memory.name, "hardware": cfg.hardware.name,
+        "model": cfg.model.name, "memory": cfg.memory.name, "hardware": cfg.hardware.name, "method": cfg.method.name,
         "K": int(best.K), "mean_tpot_ms": float(best.mean_tpot_ms),
         "acceptance_alpha": alpha, "expected_accepted_run": alpha / (1 - alpha) if alpha < 1 else None,
         "swept": [int(k) for k in table.K],

@@ -11,6 +11,7 @@ _RUNNERS: set[str] = {
     "specter.harness.methods:TargetOnly", "specter.harness.methods:OffloadAR", "specter.harness.methods:Specter",
     "baselines.mixtral_offloading:MixtralOffloading", "baselines.mixtral_offloading:MixtralOffloadingSM",
     "baselines.specmoeoff:SpecMoEOff", "baselines.moe_spec:MoESpec", "baselines.transformers_engine:TransformersEngine",
+    "baselines.specmoeoff:SpecMoEOffArtifact",
     "baselines.llamacpp_engine:LlamaCpp", "baselines.vllm_engine:Vllm",
 }
 

@@ -229,13 +229,28 @@ class MixtralOffloadingSMMethodConfig(MixtralOffloadingMethodConfig):
 
 
 @dataclass
-class SpecMoEOffMethodConfig(OffloadMethodConfig):
+class SeparateDraftMethodConfig(OffloadMethodConfig):
+    """What both SpecMoEOff variants share: a separate draft instance and route-frequency prefetch."""
+
     speculative: bool = True
-    K: int = 3  # draft length (the top-level K= overrides it)
+    K: int = 3  # draft length without a K profile (the top-level K= overrides it)
     quant: str = "gptq"  # the separate draft's routed experts: gptq | rtn
     calibration_prompts: int = 16
-    residents: dict[str, int] = field(default_factory=lambda: {"high": 12, "low": 2})  # of the real model's experts
     prefetch_at: list[float] = field(default_factory=lambda: [0.2, 0.6])  # prefetch after int(f*K) draft steps
+
+
+@dataclass
+class SpecMoEOffMethodConfig(SeparateDraftMethodConfig):
+    """SpecMoEOff as designed: residents = what fits the budget; K from its own profile (k_profile=)."""
+
+    k_range: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])  # what experiment=k_sweep sweeps
+
+
+@dataclass
+class SpecMoEOffArtifactMethodConfig(SeparateDraftMethodConfig):
+    """The Specter paper artifact's SpecMoEOff preset: fixed residents per tier and K = 3."""
+
+    residents: dict[str, int] = field(default_factory=lambda: {"high": 12, "low": 2})  # of the real model's experts
 
 
 @dataclass
@@ -248,6 +263,7 @@ METHOD_SCHEMAS.update({
     "mixtral_offloading": MixtralOffloadingMethodConfig,
     "mixtral_offloading_sm": MixtralOffloadingSMMethodConfig,
     "specmoeoff": SpecMoEOffMethodConfig,
+    "specmoeoff_artifact": SpecMoEOffArtifactMethodConfig,
     "moe_spec": MoESpecMethodConfig,
 })
 
