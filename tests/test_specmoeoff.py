@@ -185,3 +185,13 @@ def test_a_bad_k_range_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="method.k_range"):
         profile_k(compose(["experiment=k_sweep", "method=specmoeoff", "model=tiny_dsv2", "method.k_range=[0,2]",
                            f"output_dir={tmp_path}"]))
+
+
+def test_a_sweep_folder_holds_one_methods_sweep(tmp_path):
+    """SpecMoEOff's sweep never resumes into (or overwrites) Specter's folder, nor the other way round."""
+    from specter.harness.profile_k import profile_k
+
+    (tmp_path / "K=2").mkdir()
+    (tmp_path / "K=2" / "config.yaml").write_text("method:\n  name: specter\n")
+    with pytest.raises(ConfigError, match="holds a K sweep of method=specter"):
+        profile_k(compose(["experiment=k_sweep", "method=specmoeoff", "model=tiny_dsv2", f"output_dir={tmp_path}"]))

@@ -40,6 +40,18 @@ def choose_K(table: pd.DataFrame) -> int:
     return int(best.K)
 
 
+def other_method_in(root: Path, method: str) -> str | None:
+    """The method of a K sweep already in `root` when it is not `method` (one folder, one method's sweep)."""
+    for config in sorted(root.glob("K=*/config.yaml")):
+        try:
+            found = str(OmegaConf.load(config).method.name)
+        except Exception:  # an unreadable folder is the run's to report
+            continue
+        if found != method:
+            return found
+    return None
+
+
 def profile_k(cfg: DictConfig) -> Path:
     from specter.harness.run import run
 
@@ -47,6 +59,10 @@ def profile_k(cfg: DictConfig) -> Path:
         raise ConfigError(f"a K sweep profiles method={' or method='.join(PROFILED_METHODS)}, "
                           f"not method={cfg.method.name}")
     root = Path(cfg.output_dir)
+    other = other_method_in(root, cfg.method.name)
+    if other:
+        raise ConfigError(f"{root} holds a K sweep of method={other}; give method={cfg.method.name}'s sweep its own "
+                          "output_dir=")
     rows = []
     for K in sweep_values(cfg):
         sub = OmegaConf.merge(cfg, {"K": K, "output_dir": str(root / f"K={K}"), "experiment": "run"})
