@@ -24,6 +24,10 @@ real models' experts — DeepSeek-V2-Lite 2048×1408 (E 64, top-6), Qwen1.5-MoE 
 top-4), Phi-3.5-MoE 4096×6400 (E 16, top-2) — at T ∈ {1, 4} on a CPU (--reps / 3 calls), and at
 decode and prefill T ∈ {1, 4, 16, 64, 256, 1024} on a GPU. Every time is the median of --reps
 calls after --warmup calls (CUDA: device events per call).
+
+One dtype on both sides of every ratio: every backend takes activations in --dtype and computes
+in it (INT4 paths dequantize to it, fp_loop holds its FP weights in it); each backend's output
+dtype is checked once per point before timing, and the CSV's `dtype` column names it.
 """
 from __future__ import annotations
 
@@ -219,11 +223,18 @@ def bench_shape(c: Case, dtype: torch.dtype, device: torch.device, methods: set[
             for name, fn in fns.items():
                 if name not in methods:
                     continue
+                check_dtype(name, fn(), dtype)  # doubles as the first warm-up call
                 slow = name == "reference"  # fewer repetitions keep the grid affordable
                 row[name] = median_ms(fn, min(warmup, 1) if slow else warmup, max(3, reps // 5) if slow else reps,
                                       device)
         out.append(row)
     return out
+
+
+def check_dtype(name: str, out: torch.Tensor, dtype: torch.dtype) -> None:
+    """A ratio compares two backends in one dtype: refuse a backend whose output is another one."""
+    if out.dtype != dtype:
+        raise SystemExit(f"{name} returned {out.dtype}, not the benchmark's {dtype}: its ratios would mix dtypes")
 
 
 def device_name(device: torch.device) -> str:
