@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", nargs="*", default=None, choices=METHODS, help="time only these methods")
     ap.add_argument("--marlin", action="store_true",
                     help="also time Marlin (CUDA; gptqmodel may compile its extension first, minutes)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="repeat the whole grid this many times, one after the other (rows carry `run`; the figures "
+                         "take each point's median over runs): on a shared machine load drifts by the minute")
     ap.add_argument("--quick", action="store_true",
                     help="small grid: T in {1,8,64}, E=64, k in {2,6}, 5 timed calls per point; on a CPU no real shapes")
     args = ap.parse_args(argv)
@@ -296,26 +299,29 @@ def main(argv: list[str] | None = None) -> None:
              for d in dims for e in experts for k in topk if k <= e]
     real_reps = args.reps if cuda else max(3, args.reps // 3)  # a real-shape call takes 0.01-2 s on a CPU
     cases += [Case(h, i, e, k, tuple(real_tokens), real_reps) for h, i, e, k in REAL_SHAPES if real_tokens]
-    gen = torch.Generator().manual_seed(0)
+    if args.runs < 1:
+        raise SystemExit(f"--runs must be >= 1, got {args.runs}")
     shown = [m for m in METHODS if m in methods]
     print(f"device={device} ({device_name(device)}) dtype={dtype} threads={torch.get_num_threads()} "
           "(median ms; ratios a/b > 1: b faster)")
     print(f"{'H':>5} {'I':>5} {'E':>3} {'k':>2} {'T':>5} " + " ".join(f"{m[:9]:>9}" for m in shown) + " "
           + " ".join(f"{a[:5] + '/' + b[:6]:>13}" for a, b in RATIOS))
     rows = []
-    for c in cases:
-        for t, ms in zip(c.tokens, bench_shape(c, dtype, device, methods, args.warmup, c.reps, gen)):
-            row: dict[str, object] = {"device": device.type, "device_name": device_name(device),
-                                      "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-                                      "H": c.h, "I": c.i, "E": c.e, "k": c.k, "T": t}
-            row.update({f"{m}_ms": ms.get(m, math.nan) for m in METHODS})
-            ratios = [ms.get(a, math.nan) / ms.get(b, math.nan) for a, b in RATIOS]
-            row.update({f"{a}_over_{b}": r for (a, b), r in zip(RATIOS, ratios)})
-            rows.append(row)
-            print(f"{c.h:>5} {c.i:>5} {c.e:>3} {c.k:>2} {t:>5} " + " ".join(f"{ms.get(m, math.nan):>9.3f}" for m in shown)
-                  + " " + " ".join(f"{r:>13.2f}" for r in ratios), flush=True)
-        if cuda:
-            torch.cuda.empty_cache()
+    for run in range(args.runs):
+        gen = torch.Generator().manual_seed(0)  # every run times the same weights and inputs
+        for c in cases:
+            for t, ms in zip(c.tokens, bench_shape(c, dtype, device, methods, args.warmup, c.reps, gen)):
+                row: dict[str, object] = {"device": device.type, "device_name": device_name(device),
+                                          "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                                          "H": c.h, "I": c.i, "E": c.e, "k": c.k, "T": t, "run": run}
+                row.update({f"{m}_ms": ms.get(m, math.nan) for m in METHODS})
+                ratios = [ms.get(a, math.nan) / ms.get(b, math.nan) for a, b in RATIOS]
+                row.update({f"{a}_over_{b}": r for (a, b), r in zip(RATIOS, ratios)})
+                rows.append(row)
+                print(f"{c.h:>5} {c.i:>5} {c.e:>3} {c.k:>2} {t:>5} " + " ".join(f"{ms.get(m, math.nan):>9.3f}" for m in shown)
+                      + " " + " ".join(f"{r:>13.2f}" for r in ratios), flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
     out = Path(args.csv)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:

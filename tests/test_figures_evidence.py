@@ -400,3 +400,21 @@ def test_staging_ablation_is_drawn_apart_and_compared_per_method(tmp_path):
     out = _out(tmp_path)
     staging.build(results, out)
     assert (out.folder / f"{staging.NAME}.png").exists() and (out.folder / f"{staging.NAME}.csv").exists()
+
+
+def test_batch_row_carries_a_lossy_methods_token_match():
+    from types import SimpleNamespace
+
+    from specter.harness.batch import batch_row
+
+    def request(match):
+        clock = SimpleNamespace(latency=lambda: {"tpot_ms": 10.0, "ttft_ms": 50.0})
+        stats = {} if match is None else {"token_match_fraction": match}
+        return SimpleNamespace(clock=clock, tokens=[1, 2, 3], stats=stats)
+
+    def run(*matches):
+        return SimpleNamespace(requests=[request(m) for m in matches], wall_seconds=lambda: 1.0,
+                               stats={"iterations": 3, "distinct_experts_per_layer": 7.0})
+
+    assert batch_row([run(0.4, 0.6), run(0.2)])["token_match_fraction"] == pytest.approx(0.4)
+    assert batch_row([run(None)])["token_match_fraction"] is None  # a lossless method leaves it empty
