@@ -24,6 +24,10 @@ real models' experts — DeepSeek-V2-Lite 2048×1408 (E 64, top-6), Qwen1.5-MoE 
 top-4), Phi-3.5-MoE 4096×6400 (E 16, top-2) — at T ∈ {1, 4} on a CPU (--reps / 3 calls), and at
 decode and prefill T ∈ {1, 4, 16, 64, 256, 1024} on a GPU. Every time is the median of --reps
 calls after --warmup calls (CUDA: device events per call).
+
+One dtype on both sides of every ratio: every backend takes activations in --dtype and computes
+in it (INT4 paths dequantize to it, fp_loop holds its FP weights in it); each backend's output
+dtype is checked once per point before timing, and the CSV's `dtype` column names it.
 """
 from __future__ import annotations
 
@@ -219,11 +223,18 @@ def bench_shape(c: Case, dtype: torch.dtype, device: torch.device, methods: set[
             for name, fn in fns.items():
                 if name not in methods:
                     continue
+                check_dtype(name, fn(), dtype)  # doubles as the first warm-up call
                 slow = name == "reference"  # fewer repetitions keep the grid affordable
                 row[name] = median_ms(fn, min(warmup, 1) if slow else warmup, max(3, reps // 5) if slow else reps,
                                       device)
         out.append(row)
     return out
+
+
+def check_dtype(name: str, out: torch.Tensor, dtype: torch.dtype) -> None:
+    """A ratio compares two backends in one dtype: refuse a backend whose output is another one."""
+    if out.dtype != dtype:
+        raise SystemExit(f"{name} returned {out.dtype}, not the benchmark's {dtype}: its ratios would mix dtypes")
 
 
 def device_name(device: torch.device) -> str:
@@ -253,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", nargs="*", default=None, choices=METHODS, help="time only these methods")
     ap.add_argument("--marlin", action="store_true",
                     help="also time Marlin (CUDA; gptqmodel may compile its extension first, minutes)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="repeat the whole grid this many times, one after the other (rows carry `run`; the figures "
+                         "take each point's median over runs): on a shared machine load drifts by the minute")
     ap.add_argument("--quick", action="store_true",
                     help="small grid: T in {1,8,64}, E=64, k in {2,6}, 5 timed calls per point; on a CPU no real shapes")
     args = ap.parse_args(argv)
@@ -285,26 +299,29 @@ def main(argv: list[str] | None = None) -> None:
              for d in dims for e in experts for k in topk if k <= e]
     real_reps = args.reps if cuda else max(3, args.reps // 3)  # a real-shape call takes 0.01-2 s on a CPU
     cases += [Case(h, i, e, k, tuple(real_tokens), real_reps) for h, i, e, k in REAL_SHAPES if real_tokens]
-    gen = torch.Generator().manual_seed(0)
+    if args.runs < 1:
+        raise SystemExit(f"--runs must be >= 1, got {args.runs}")
     shown = [m for m in METHODS if m in methods]
     print(f"device={device} ({device_name(device)}) dtype={dtype} threads={torch.get_num_threads()} "
           "(median ms; ratios a/b > 1: b faster)")
     print(f"{'H':>5} {'I':>5} {'E':>3} {'k':>2} {'T':>5} " + " ".join(f"{m[:9]:>9}" for m in shown) + " "
           + " ".join(f"{a[:5] + '/' + b[:6]:>13}" for a, b in RATIOS))
     rows = []
-    for c in cases:
-        for t, ms in zip(c.tokens, bench_shape(c, dtype, device, methods, args.warmup, c.reps, gen)):
-            row: dict[str, object] = {"device": device.type, "device_name": device_name(device),
-                                      "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-                                      "H": c.h, "I": c.i, "E": c.e, "k": c.k, "T": t}
-            row.update({f"{m}_ms": ms.get(m, math.nan) for m in METHODS})
-            ratios = [ms.get(a, math.nan) / ms.get(b, math.nan) for a, b in RATIOS]
-            row.update({f"{a}_over_{b}": r for (a, b), r in zip(RATIOS, ratios)})
-            rows.append(row)
-            print(f"{c.h:>5} {c.i:>5} {c.e:>3} {c.k:>2} {t:>5} " + " ".join(f"{ms.get(m, math.nan):>9.3f}" for m in shown)
-                  + " " + " ".join(f"{r:>13.2f}" for r in ratios), flush=True)
-        if cuda:
-            torch.cuda.empty_cache()
+    for run in range(args.runs):
+        gen = torch.Generator().manual_seed(0)  # every run times the same weights and inputs
+        for c in cases:
+            for t, ms in zip(c.tokens, bench_shape(c, dtype, device, methods, args.warmup, c.reps, gen)):
+                row: dict[str, object] = {"device": device.type, "device_name": device_name(device),
+                                          "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                                          "H": c.h, "I": c.i, "E": c.e, "k": c.k, "T": t, "run": run}
+                row.update({f"{m}_ms": ms.get(m, math.nan) for m in METHODS})
+                ratios = [ms.get(a, math.nan) / ms.get(b, math.nan) for a, b in RATIOS]
+                row.update({f"{a}_over_{b}": r for (a, b), r in zip(RATIOS, ratios)})
+                rows.append(row)
+                print(f"{c.h:>5} {c.i:>5} {c.e:>3} {c.k:>2} {t:>5} " + " ".join(f"{ms.get(m, math.nan):>9.3f}" for m in shown)
+                      + " " + " ".join(f"{r:>13.2f}" for r in ratios), flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
     out = Path(args.csv)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:

@@ -148,17 +148,81 @@ def _batch(root: Path) -> Path:
     return root
 
 
+class _Capture(Output):
+    """An Output that keeps, per figure name, what its axes drew (before the figure is closed)."""
+
+    def figure(self, fig, name: str) -> None:
+        drawn = getattr(self, "drawn", {})
+        drawn[name] = {
+            "axes": [[(list(map(float, l.get_xdata())), list(map(float, l.get_ydata())), l.get_marker())
+                      for l in ax.get_lines()] for ax in fig.axes],
+            "legend": [t.get_text() for leg in fig.legends for t in leg.get_texts()],
+            "text": " ".join(" ".join(t.get_text() for t in fig.texts).split()),  # wrapped lines joined
+        }
+        self.drawn = drawn
+        super().figure(fig, name)
+
+
+def _capture(tmp_path: Path) -> _Capture:
+    folder = tmp_path / "figures"
+    folder.mkdir(exist_ok=True)
+    return _Capture(folder, dpi=40)
+
+
 def test_fig16_draws_one_defined_quantity_for_every_method(tmp_path):
+    """Fig. 16 is the verification working set per target pass (grows with B), for every method."""
     results = ResultSet(_batch(tmp_path / "r"))
     data = batching.load_batch(results)
-    got = data.set_index(["method", "batch_size"])[batching.DEMAND]
-    # distinct experts per layer per pass × passes ÷ generated tokens
-    assert got[("specter", 1)] == pytest.approx(20 * 8 / 128) and got[("mo_sm", 1)] == pytest.approx(6.0)
-    assert got[("specter", 4)] == pytest.approx(30 * 8 / 512) and got[("mo_sm", 2)] == pytest.approx(10 * 128 / 256)
-    out = _out(tmp_path)
+    got = data.set_index(["method", "batch_size"])[batching.DEMAND]  # still in the table, not drawn
+    assert got[("specter", 1)] == pytest.approx(20 * 8 / 128) and got[("mo_sm", 2)] == pytest.approx(10 * 128 / 256)
+    out = _capture(tmp_path)
     batching.build(results, out)
-    assert (out.folder / "fig16_batch_working_set.png").exists()
-    assert batching.DEMAND in pd.read_csv(out.folder / "fig15_batch_tpot.csv").columns
+    fig16 = out.drawn["fig16_batch_working_set"]
+    lines = [(x, y) for x, y, marker in fig16["axes"][0] if marker == "o"]  # top panel: the working set
+    assert sorted(lines) == sorted([([1.0, 2.0, 4.0], [20.0, 24.0, 30.0]), ([1.0, 2.0], [6.0, 10.0])])
+    assert any("pass = B tokens" in t for t in fig16["legend"])  # mo_sm: one decode step of B tokens
+    assert "working set: distinct experts per MoE layer in one target pass" in fig16["text"]
+    assert batching.WORKING_SET in pd.read_csv(out.folder / "fig15_batch_tpot.csv").columns
+
+
+def test_refused_batch_sizes_are_drawn_as_markers(tmp_path):
+    out = _capture(tmp_path)
+    batching.build(ResultSet(_batch(tmp_path / "r")), out)
+    for name in ("fig15_batch_tpot", "fig16_batch_working_set"):
+        fig = out.drawn[name]
+        for panel in fig["axes"]:
+            assert [x for x, _, marker in panel if marker == "x"] == [[4.0]], name  # mo_sm refused at B=4
+        assert "refused: over the memory budget" in fig["legend"]
+        assert "MO-SM on tiny_dsv2 low: B = 4; largest that fits: 2" in fig["text"]
+
+
+def test_fig16_names_a_folder_without_the_working_set(tmp_path):
+    root = _batch(tmp_path / "r")
+    old = root / "batch" / "old-offload_ar"
+    old.mkdir(parents=True)
+    pd.DataFrame([{"method": "offload_ar", "model": "tiny_dsv2", "memory": "low", "batch_size": b, "dataset": "gsm8k",
+                   "tpot_mean_ms": 20.0 + b, "throughput_tok_s": 50.0 * b, "hardware": "emulated"}
+                  for b in (1, 2)]).to_csv(old / "batch.csv", index=False)  # written before the column existed
+    out = _capture(tmp_path)
+    batching.build(ResultSet(root), out)
+    fig16 = out.drawn["fig16_batch_working_set"]
+    assert "no working set in the batch.csv of: Offload-AR (not drawn)" in fig16["text"]
+    assert not any(t.startswith("Offload-AR") for t in fig16["legend"])
+    assert any(t.startswith("Offload-AR") for t in out.drawn["fig15_batch_tpot"]["legend"])
+
+
+def test_lossy_method_is_marked_in_the_batch_legend(tmp_path):
+    root = _batch(tmp_path / "r")
+    folder = root / "batch" / "moe_spec"
+    folder.mkdir(parents=True)
+    pd.DataFrame([{"method": "moe_spec", "model": "tiny_dsv2", "memory": "low", "batch_size": b, "dataset": "gsm8k",
+                   "tpot_mean_ms": 9.0, "throughput_tok_s": 90.0 * b, "distinct_experts_per_layer": 8.0 * b, "K": 4,
+                   "hardware": "emulated", "token_match_fraction": m}
+                  for b, m in ((1, 0.40), (2, 0.50))]).to_csv(folder / "batch.csv", index=False)
+    out = _capture(tmp_path)
+    batching.build(ResultSet(root), out)
+    assert "MoE-Spec (lossy, 45 % tokens match)" in out.drawn["fig15_batch_tpot"]["legend"]
+    assert "MoE-Spec (lossy, 45 % tokens match), pass = B×5 tokens" in out.drawn["fig16_batch_working_set"]["legend"]
 
 
 def test_table3_at_the_largest_b_keeps_refused_cells(tmp_path):
@@ -336,3 +400,21 @@ def test_staging_ablation_is_drawn_apart_and_compared_per_method(tmp_path):
     out = _out(tmp_path)
     staging.build(results, out)
     assert (out.folder / f"{staging.NAME}.png").exists() and (out.folder / f"{staging.NAME}.csv").exists()
+
+
+def test_batch_row_carries_a_lossy_methods_token_match():
+    from types import SimpleNamespace
+
+    from specter.harness.batch import batch_row
+
+    def request(match):
+        clock = SimpleNamespace(latency=lambda: {"tpot_ms": 10.0, "ttft_ms": 50.0})
+        stats = {} if match is None else {"token_match_fraction": match}
+        return SimpleNamespace(clock=clock, tokens=[1, 2, 3], stats=stats)
+
+    def run(*matches):
+        return SimpleNamespace(requests=[request(m) for m in matches], wall_seconds=lambda: 1.0,
+                               stats={"iterations": 3, "distinct_experts_per_layer": 7.0})
+
+    assert batch_row([run(0.4, 0.6), run(0.2)])["token_match_fraction"] == pytest.approx(0.4)
+    assert batch_row([run(None)])["token_match_fraction"] is None  # a lossless method leaves it empty

@@ -8,13 +8,16 @@ beside them names the sizes a method's memory tier refused ("refused: ... the la
 fits is B=n").
 
 Fig. 15  TPOT and aggregate throughput against the batch size B, averaged over datasets
-Fig. 16  expert demand per generated token and H2D bytes per token against B. One quantity for
-         every method: experts_per_layer_per_token = distinct_experts_per_layer × iterations ÷
-         new_tokens, i.e. the distinct experts each MoE layer needed per target pass, summed over
-         the passes and divided by the tokens generated. A pass is one decode step of B tokens for
-         an autoregressive method and one verification window of B×(K+1) tokens for a speculative
-         one, so the per-pass working set (distinct_experts_per_layer, kept in the table) is not
-         one quantity across methods and is not drawn.
+Fig. 16  the verification working set against B: distinct experts per MoE layer in one target pass
+         (`distinct_experts_per_layer`, averaged over the passes), the paper's Fig. 16 quantity, the
+         same definition for every method. A pass is what the target model runs at once: one decode
+         step of B tokens for an autoregressive method, one verification of B×(K+1) tokens for a
+         speculative one (the legend gives each method's pass). It grows with B. Below it, H2D bytes
+         per generated token. A method whose folder has no working-set column (an engine that places
+         its own weights and does not report routing, or a CSV written before the column) is named
+         in the caption, not drawn.
+Refused  a size a method's memory tier refused (batch_summary.csv) is drawn as × on the lower edge of
+         Figs. 15/16 at that B, in the method's colour, so a line never stops silently
 Table 3  per-dataset TPOT and throughput of every method at the largest B of each model and tier
          (the largest size any method ran or was refused at, the paper's B = 32); a method refused
          there is a row "refused (largest B = n)", one not run there "not run (largest B = n)"
@@ -30,18 +33,21 @@ import re
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
+from matplotlib.ticker import EngFormatter
 
 from specter.figures.common import (Output, Skip, legend_above, method_colors, method_label, model_label,
     order_datasets, order_methods, order_models, style_axes, subplots)
 from specter.figures import tpot_grid
 from specter.figures.data import ResultSet
+from specter.figures.labels import legend_label
 from specter.figures.tpot_grid import HARDWARE_TITLES
 
 NAME15, NAME16, NAME_T3, NAME_SCALE = "fig15_batch_tpot", "fig16_batch_working_set", "table3_batch", "table_batch_scaling"
 KEY = ["method", "model", "memory", "hardware", "batch_size", "dataset"]
 METRICS = ("tpot_mean_ms", "tpot_median_ms", "tpot_p90_ms", "throughput_tok_s", "distinct_experts_per_layer",
-           "h2d_bytes_per_token", "acceptance", "experts_per_layer_per_token")
-DEMAND = "experts_per_layer_per_token"
+           "h2d_bytes_per_token", "acceptance", "experts_per_layer_per_token", "K", "token_match_fraction")
+DEMAND = "experts_per_layer_per_token"  # kept in the tables: working set × passes ÷ tokens generated
+WORKING_SET = "distinct_experts_per_layer"  # Fig. 16: distinct experts per MoE layer per target pass
 _LARGEST = re.compile(r"largest batch that fits is B=(\d+)")
 
 
@@ -197,30 +203,103 @@ def hardware_groups(hardware) -> list[tuple[str, list[str]]]:
     return [(name[len(tpot_grid.NAME):], hw) for name, hw in tpot_grid.hardware_groups(hardware)]
 
 
-def _lines(fig_axes, avg, models, panels, colors, name, out, caption: str = ""):
+def series_name(method: str, memory: str, tiers: int) -> str:
+    """A line's key: the method, with its memory tier when the data holds more than one."""
+    return f"{method} ({memory})" if tiers > 1 else str(method)
+
+
+def pass_of(k) -> str:
+    """What one target pass holds for a method with draft length k (NaN: autoregressive)."""
+    return f"B×{int(k) + 1} tokens" if pd.notna(k) and k > 0 else "B tokens"
+
+
+def refused_note(refused: pd.DataFrame) -> str:
+    """The caption's sentence on refused sizes (empty when none)."""
+    if refused.empty:
+        return ""
+    parts = []
+    for (method, model, memory), g in refused.groupby(["method", "model", "memory"], sort=True):
+        largest = g["largest_b"].dropna()
+        sizes = ", ".join(str(int(b)) for b in sorted(g["batch_size"]))
+        fits = f"; largest that fits: {int(largest.iloc[0])}" if not largest.empty else ""
+        parts.append(f"{method_label(method)} on {model} {memory}: B = {sizes}{fits}")
+    return "× on the B axis: refused by the memory budget (" + "; ".join(parts) + ")"
+
+
+def _lines(fig_axes, avg, models, panels, colors, labels, name, out, refused, caption: str = ""):
     fig, axes = fig_axes
+    tiers = avg["memory"].nunique()
+    drawn: set[str] = set()
+    refused_any = False
     for c, model in enumerate(models):
+        d = avg[avg["model"] == model]
+        r_model = refused[refused["model"] == model] if not refused.empty else refused
         for r, (metric, ylabel, log) in enumerate(panels):
             ax = axes[r][c]
-            d = avg[avg["model"] == model]
             for series, g in d.groupby("series"):
-                g = g.sort_values("batch_size")
+                g = g.dropna(subset=[metric]).sort_values("batch_size")
+                if g.empty:
+                    continue
+                drawn.add(series)
                 ls = "--" if " (low)" in series else "-"
                 ax.plot(g["batch_size"], g[metric], marker="o", ms=3.5, lw=1.4, ls=ls, color=colors[series])
+            # a refused size: × at its B on the lower edge (axes coordinates in y), never a silent gap
+            edge = ax.get_xaxis_transform()
+            for row in r_model.itertuples(index=False):
+                series = series_name(row.method, row.memory, tiers)
+                if series not in colors:
+                    continue
+                ax.plot([row.batch_size], [0.0], transform=edge, marker="x", ms=7, mew=1.8, ls="none",
+                        color=colors[series], clip_on=False, zorder=5)
+                refused_any = True
+                drawn.add(series)
             ax.set_xscale("log", base=2)
-            bs = sorted(d["batch_size"].unique())
+            bs = sorted(set(d["batch_size"]) | set(r_model["batch_size"] if not r_model.empty else []))
             ax.set_xticks(bs, [str(int(b)) for b in bs])
+            ax.minorticks_off()
             if log:
                 ax.set_yscale("log")
-            style_axes(ax, model_label(model).replace(" (", "\n(", 1) if r == 0 else None, xlabel="batch size B" if r == len(panels) - 1 else None,
-                       ylabel=ylabel if c == 0 else None)
-    series = sorted(avg["series"].unique(), key=lambda s: order_methods(avg["method"]).index(s.split(" (")[0]))
-    legend_above(fig, [Line2D([], [], color=colors[s], marker="o", ls="--" if " (low)" in s else "-") for s in series],
-                 [method_label(s.split(" (")[0]) + (" (" + s.split(" (")[1] if " (" in s else "") for s in series])
+            if metric == "h2d_bytes_per_token":
+                ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+            style_axes(ax, model_label(model).replace(" (", "\n(", 1) if r == 0 else None,
+                       xlabel="batch size B" if r == len(panels) - 1 else None, ylabel=ylabel if c == 0 else None)
+    order = order_methods(avg["method"])
+    series = sorted(drawn, key=lambda s: (order.index(s.split(" (")[0]) if s.split(" (")[0] in order else len(order), s))
+    handles = [Line2D([], [], color=colors[s], marker="o", ls="--" if " (low)" in s else "-") for s in series]
+    names = [labels[s] for s in series]
+    if refused_any:
+        handles.append(Line2D([], [], color="#555555", marker="x", mew=1.8, ls="none"))
+        names.append("refused: over the memory budget")
+    legend_above(fig, handles, names, ncol=min(len(names), 4))
     fig.tight_layout()
     if caption:  # below the panels: the legend holds the space above them
-        fig.text(0.5, 0.0, caption, ha="center", va="top", fontsize=9, style="italic")
+        width = int(fig.get_figwidth() * 15)  # characters per line of 8 pt italic
+        fig.text(0.5, 0.0, _wrap(caption, width), ha="center", va="top", fontsize=8, style="italic")
     out.figure(fig, name)
+
+
+def _wrap(text: str, width: int = 110) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.fill(p, width) for p in text.split("\n") if p)
+
+
+def series_labels(avg: pd.DataFrame, with_pass: bool) -> dict[str, str]:
+    """series -> legend label: the method's name (lossy ones with their token match), its tier when
+    there are several, and (Fig. 16) what one target pass holds."""
+    out = {}
+    for series, g in avg.groupby("series"):
+        method = str(g["method"].iloc[0])
+        match = g["token_match_fraction"].mean() if "token_match_fraction" in g else None
+        label = legend_label(method, None if match is None or pd.isna(match) else float(match))
+        if " (" in series:
+            label += " (" + series.split(" (", 1)[1]
+        if with_pass:
+            ks = sorted(g["K"].dropna().unique()) if "K" in g else []
+            label += ", pass = " + (pass_of(ks[0]) if len(ks) == 1 else
+                                    f"B×(K+1) tokens, K = {'/'.join(str(int(k)) for k in ks)}" if ks else pass_of(np.nan))
+        out[series] = label
+    return out
 
 
 def build(results: ResultSet, out: Output) -> None:
@@ -229,31 +308,50 @@ def build(results: ResultSet, out: Output) -> None:
         raise Skip("no batch.csv (python run.py experiment=batch ...)")
     refused = refusals(results)
     avg = averaged(data)
-    colors = method_colors(avg["series"].unique())
+    tiers = avg["memory"].nunique()
+    every = set(avg["series"]) | {series_name(r.method, r.memory, tiers) for r in refused.itertuples(index=False)}
+    colors = method_colors(every)
     tpot_note = "mean" if "tpot_mean_ms" in data.columns else "median (no tpot_mean_ms column)"
     out.table(avg.drop(columns=["series"]), NAME15, "Fig. 15/16: batched decoding, averaged over datasets",
               notes=[f"tpot_ms: per-request TPOT, {tpot_note}; throughput: generated tokens / batch wall time. "
-                     f"{DEMAND}: distinct_experts_per_layer × iterations ÷ new_tokens (the same quantity for every "
-                     "method: expert demand per generated token); distinct_experts_per_layer: per target pass, "
-                     "whose size differs between methods (B tokens, or B×(K+1) for a speculative window)."])
+                     f"{WORKING_SET} (Fig. 16): distinct experts per MoE layer in one target pass, averaged over "
+                     "the passes; a pass is a decode step of B tokens (autoregressive) or a verification of "
+                     f"B×(K+1) tokens (speculative). {DEMAND}: the same summed over passes ÷ new_tokens "
+                     "(demand per generated token, not drawn).",
+                     *([refused_note(refused)] if not refused.empty else [])])
     for suffix, hardware in hardware_groups(avg["hardware"]):
         part = avg[avg["hardware"].isin(hardware)]
         models = order_models(part["model"].unique())
-        caption = HARDWARE_TITLES.get(hardware[0], f"hardware={hardware[0]}")
+        methods_here = set(part["method"])
+        refused_here = refused[refused["method"].isin(methods_here) & refused["model"].isin(models)] \
+            if not refused.empty else refused
+        title = HARDWARE_TITLES.get(hardware[0], f"hardware={hardware[0]}")
+        note = refused_note(refused_here)
         panels = [("tpot_ms", "TPOT (ms/token)", False)]
         if "throughput_tok_s" in part:
             panels.append(("throughput_tok_s", "throughput (tokens/s)", False))
         _lines(subplots(len(panels), len(models), w=3.4, h=2.5), part, models, panels, colors,
-               NAME15 + suffix, out, caption)
-        panels16 = [(m, label, False) for m, label in ((DEMAND, "distinct experts / layer\nper generated token"),
+               series_labels(part, with_pass=False), NAME15 + suffix, out, refused_here,
+               "\n".join(filter(None, [title, note])))
+        has_ws = WORKING_SET in part and part[WORKING_SET].notna().any()
+        panels16 = [(m, label, False) for m, label in ((WORKING_SET, "working set: distinct experts\n"
+                                                       "per layer per target pass"),
                                                       ("h2d_bytes_per_token", "H2D bytes / token"))
                     if m in part and part[m].notna().any()]
-        if panels16:
-            _lines(subplots(len(panels16), len(models), w=3.4, h=2.5), part, models, panels16, colors,
-                   NAME16 + suffix, out, caption)
-        else:
-            print(f"{NAME16 + suffix}: skipped: no distinct_experts_per_layer+iterations+new_tokens "
-                  "or h2d_bytes_per_token (methods that place their own weights count no expert I/O)")
+        if not has_ws:
+            print(f"{NAME16 + suffix}: skipped: no {WORKING_SET} in these batch.csv files "
+                  f"({', '.join(order_methods(methods_here))}: engines that place their own weights, or CSVs "
+                  "written without it)")
+            continue
+        lacking = sorted(m for m in methods_here
+                         if part.loc[part["method"] == m, WORKING_SET].isna().all())
+        missing = (f"no working set in the batch.csv of: {', '.join(method_label(m) for m in lacking)} (not drawn)"
+                   if lacking else "")
+        ws_note = ("working set: distinct experts per MoE layer in one target pass (decode step or "
+                   "verification), averaged over the passes")
+        _lines(subplots(len(panels16), len(models), w=3.4, h=2.5), part, models, panels16, colors,
+               series_labels(part, with_pass=True), NAME16 + suffix, out, refused_here,
+               "\n".join(filter(None, [title, ws_note, missing, note])))
     t3 = table3(data, refused)
     out.table(t3, NAME_T3, "Table 3: per-dataset TPOT (ms/token) and throughput (tokens/s) at the largest B",
               notes=["batch_size: the largest B any method ran or was refused at, per model and tier; a method "

@@ -108,10 +108,18 @@ def style_axes(ax, title: str | None = None, xlabel: str | None = None, ylabel: 
 
 
 def legend_above(fig, handles, labels, ncol: int | None = None) -> None:
-    """One legend for the whole figure, above the panels (never over the data)."""
-    ncol = ncol or min(len(labels), 6)
-    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=ncol, frameon=False,
-               fontsize=8)
+    """One legend for the whole figure, above the panels (never over the data), in as many columns
+    (at most `ncol`, default 6) as fit the figure's width: a wider legend would widen the saved
+    image past what reads at MAX_WIDTH_PX."""
+    ncol = max(1, min(ncol or 6, len(labels)))
+    renderer = fig.canvas.get_renderer()
+    while True:
+        legend = fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=ncol,
+                            frameon=False, fontsize=8)
+        if ncol == 1 or legend.get_window_extent(renderer).width <= fig.bbox.width:
+            return
+        legend.remove()
+        ncol -= 1
 
 
 def grouped_bars(ax, categories: list, series: list[str], table: pd.DataFrame, by: str, index: str, value: str,
@@ -134,8 +142,17 @@ def grouped_bars(ax, categories: list, series: list[str], table: pd.DataFrame, b
         ax.bar(xs, [rows.loc[c, value] for c in present], width=width, color=colors[name], **kw)
 
 
+# Every figure is read at 1,600 px (a README column, a reviewer's screen): at the default dpi the
+# figure's width is capped so the saved PNG (bbox_inches="tight" adds a little) stays within it.
+MAX_WIDTH_PX = 1600
+DEFAULT_DPI = 150
+MAX_WIDTH_IN = 10.2
+
+
 def subplots(nrows: int, ncols: int, w: float = 3.6, h: float = 2.8, **kw):
-    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols + 0.6, h * nrows + 0.4), squeeze=False, **kw)
+    """A grid of panels w × h inches each, narrowed to MAX_WIDTH_IN in all when that is wider."""
+    width = min(w * ncols + 0.6, MAX_WIDTH_IN)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, h * nrows + 0.4), squeeze=False, **kw)
     return fig, axes
 
 
@@ -160,7 +177,7 @@ class Output:
     """Where one make_figures call writes; remembers every file it wrote."""
 
     folder: Path
-    dpi: int = 150
+    dpi: int = DEFAULT_DPI
     written: list[Path] = field(default_factory=list)
 
     def figure(self, fig, name: str) -> None:
@@ -194,9 +211,14 @@ def percentile(values: pd.Series, q: float) -> float:
     return float(np.percentile(v, q)) if len(v) else float("nan")
 
 
-def ratio_bars(out: "Output", table: pd.DataFrame, name: str, value: str, ylabel: str) -> None:
+def ratio_bars(out: "Output", table: pd.DataFrame, name: str, value: str, ylabel: str,
+               labels: dict[str, str] | None = None) -> None:
     """One panel per model, bars per memory tier and method (`table`: model, memory, method, `value`),
-    a dashed line at 1: the shape of every "this over that" figure."""
+    a dashed line at 1: the shape of every "this over that" figure. `labels`: method -> legend
+    label (default: `labels.legend_label` of the method, lossy ones marked)."""
+    from specter.figures.labels import legend_label
+
+    labels = labels or {}
     methods = order_methods(table["method"])
     colors = method_colors(methods)
     models = order_models(table["model"])
@@ -208,7 +230,7 @@ def ratio_bars(out: "Output", table: pd.DataFrame, name: str, value: str, ylabel
         grouped_bars(ax, tiers, present, d, by="method", index="memory", value=value, colors=colors)
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
-        style_axes(ax, model_label(model), ylabel=ylabel)
-    legend_above(fig, [Patch(color=colors[m]) for m in methods], [method_label(m) for m in methods])
+        style_axes(ax, model_label(model).replace(" (", "\n(", 1), ylabel=ylabel)  # two lines: panels are narrow
+    legend_above(fig, [Patch(color=colors[m]) for m in methods], [labels.get(m) or legend_label(m) for m in methods])
     fig.tight_layout()
     out.figure(fig, name)

@@ -12,10 +12,16 @@ Fig. 11  speedup of each fused backend b over per-expert calls of that same kern
          speedup = <b>_per_expert_ms / <b>_ms, geometric mean over the E/top-k cases of each H×I.
          A CSV without per-expert columns (written before they existed) falls back to one shared
          baseline, `unfused` (dequantize each active expert + HF's eager loop), else `reference`,
-         else the slowest backend; the figure's title and table say which it is.
+         else the slowest backend; the figure's title and table say which it is. The caption
+         adds, per H×I, how the fused INT4 path (`torch`) compares with the FP loop in the same
+         dtype (`fp_loop`: no quantization), since a faster INT4 kernel can still lose to FP.
+Both captions name the device, dtype and threads: every ratio is one dtype on both sides (the
+benchmark checks each backend's output dtype), and CPU times say nothing of a GPU kernel's speed.
 """
 
 from __future__ import annotations
+
+import textwrap
 
 import numpy as np
 import pandas as pd
@@ -91,6 +97,27 @@ def speedup_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return agg.sort_values(group).reset_index(drop=True), described
 
 
+def fp_versus_int4(table: pd.DataFrame, fused: str = "torch", fp: str = "fp_loop") -> list[str]:
+    """Per (device, dtype, H×I): geometric mean over E/top-k/T of fp_ms / fused_ms (> 1: INT4 faster)."""
+    wide = table.pivot_table(index=CASE + ["T"], columns="backend", values="ms")
+    if fused not in wide or fp not in wide:
+        return []
+    ratio = (wide[fp] / wide[fused]).dropna().reset_index(name="r")
+    lines = []
+    for (dev, dt, h, i), g in ratio.groupby(["device", "dtype", "H", "I"]):
+        geo = float(np.exp(np.log(g["r"]).mean()))
+        lines.append(f"{dev} {dt} {h}×{i}: FP loop / fused INT4 ({fused}) = {geo:.2f}× "
+                     f"(range {g['r'].min():.2f}–{g['r'].max():.2f}; > 1: INT4 faster)")
+    return lines
+
+
+def device_note(table: pd.DataFrame) -> str:
+    kinds = sorted({f"{d} {t}" for d, t in table[["device", "dtype"]].itertuples(index=False)})
+    cpu = " CPU times: what the fusion saves in host work, not a GPU kernel's speed." \
+        if (table["device"] == "cpu").any() else ""
+    return f"every backend in one dtype per panel ({', '.join(kinds)}).{cpu}"
+
+
 def build(results: ResultSet, out: Output) -> None:
     table = long_table(results)
     if table.empty:
@@ -124,6 +151,8 @@ def build(results: ResultSet, out: Output) -> None:
             ax.title.set_fontsize(8)
     legend_above(fig, [Line2D([], [], color=colors[b], marker="o") for b in backends], backends)
     fig.tight_layout()
+    fig.text(0.5, 0.0, textwrap.fill(device_note(table), int(fig.get_figwidth() * 15)), ha="center", va="top",
+             fontsize=8, style="italic")
     out.figure(fig, NAME10)
 
     speed, baseline = speedup_table(table)
@@ -133,7 +162,8 @@ def build(results: ResultSet, out: Output) -> None:
     others = sorted(speed["backend"].unique())
     out.table(speed, NAME11, f"Fig. 11: speedup over {baseline} (geometric mean over E/top-k cases)",
               notes=["speedup = baseline_ms / backend_ms (column `baseline` names it); > 1: the fused call is faster. "
-                     "A `<b>_per_expert` baseline calls kernel b once per active expert on that expert's tokens."])
+                     "A `<b>_per_expert` baseline calls kernel b once per active expert on that expert's tokens.",
+                     device_note(table), *fp_versus_int4(table)])
     panels = sorted({(d, t, h, i) for d, t, h, i in speed[["device", "dtype", "H", "I"]].itertuples(index=False)})
     fig, axes = subplots(1, len(panels), w=3.4, h=2.6)
     for ax, (dev, dt, h, i) in zip(axes[0], panels):
@@ -148,5 +178,8 @@ def build(results: ResultSet, out: Output) -> None:
     labels = [f"{b} over {speed[speed.backend == b]['baseline'].iloc[0]}" for b in others]
     legend_above(fig, [Patch(color=colors[b]) for b in others], labels, ncol=min(len(labels), 3))
     fig.tight_layout()
-    fig.text(0.5, 0.0, f"baseline: {baseline}", ha="center", va="top", fontsize=9, style="italic")
+    caption = [f"baseline: {baseline}", device_note(table), *fp_versus_int4(table)]
+    width = int(fig.get_figwidth() * 15)
+    fig.text(0.5, 0.0, "\n".join(textwrap.fill(c, width) for c in caption), ha="center", va="top", fontsize=8,
+             style="italic")
     out.figure(fig, NAME11)

@@ -7,12 +7,15 @@ timed every copy on the host and paid for writing each event, so its times are n
 method's: it is its own source, "trace", drawn by the timeline figure and the traced-runs
 table, never in Fig. 14 or the headline. Ablations (a `bench` or `ablation` folder, e.g. the
 staging-buffer ablation) are side benchmarks: they keep the main grid to one configuration per
-method, so the headline always finds a bare "specter".
+method, so the headline always finds a bare "specter". A lossy method (`LOSSY_METHODS`) carries
+its token match in its legend label (`legend_label`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,6 +48,80 @@ def record_source(rel_parts: Sequence[str], method_cfg: Mapping[str, Any]) -> st
     if "load_ratio" in rel_parts:  # experiment=load_ratio_sweep (read through load_ratio.csv)
         return "load_ratio"
     return "main"
+
+
+# Methods whose output is allowed to differ from target-only decoding (by design, not by a tie):
+# they are marked in every legend and kept out of lossless means.
+LOSSY_METHODS = ("moe_spec",)
+TOKEN_MATCH = "token_match_fraction"  # the records' column: share of target-only's tokens reproduced
+
+
+def is_lossy(label: str) -> bool:
+    """Whether a method (or a variant label such as 'moe_spec[budget=4]') is lossy by design."""
+    return str(label).split("[", 1)[0] in LOSSY_METHODS
+
+
+def split_variant(label: str) -> tuple[str, dict[str, str]]:
+    """'specter[K=16,prefetch=none]' -> ('specter', {'K': '16', 'prefetch': 'none'}); a bare name -> (name, {})."""
+    label = str(label)
+    if "[" not in label or not label.endswith("]"):
+        return label, {}
+    base, inner = label[:-1].split("[", 1)
+    parts = re.split(r",(?=[A-Za-z_][\w.]*=)", inner)  # a value may itself hold commas ('[1, 2]')
+    return base, dict(p.split("=", 1) if "=" in p else (p, "") for p in parts if p)
+
+
+def compact_variants(table: pd.DataFrame, column: str = "method", cell: Sequence[str] = ("model", "memory")
+                     ) -> pd.Series:
+    """Variant labels cut to the settings that differ between the variants of one method left in
+    `table` within one cell: 'specter[K=16,decode_path=None,prefetch=none]' beside its other
+    prefetch variants becomes 'specter[prefetch=none]', and a method with one variant its bare name.
+    The same variant in two cells gets one label (one colour, one legend entry)."""
+    out = table[column].astype(str).copy()
+    keys = [c for c in cell if c in table.columns]
+    parsed = out.map(split_variant)
+    bases = parsed.map(lambda p: p[0])
+    groups = table.groupby([*(table[k].astype(str) for k in keys), bases]) if keys else table.groupby(bases)
+    for _, g in groups:
+        settings = [parsed[i][1] for i in g.index]
+        names = sorted({k for s in settings for k in s})
+        varying = [k for k in names if len({s.get(k) for s in settings}) > 1]
+        for i, s in zip(g.index, settings):
+            out[i] = parsed[i][0] + (f"[{','.join(f'{k}={s.get(k)}' for k in varying)}]" if varying else "")
+    return out
+
+
+def legend_label(label: str, token_match: float | None = None) -> str:
+    """A method's legend label, in words, marked when the method is lossy.
+
+    `label`: a method name or variant label ('moe_spec', 'specter[prefetch=none]'); `token_match`:
+    the share (0..1) of target-only's tokens the method reproduced, e.g. the mean of the records'
+    `token_match_fraction` (`token_match_of`), or None when not measured. Returns the display name
+    with the variant's settings in parentheses ('Specter (prefetch=none)'); a lossy method adds
+    'lossy' and its token match: 'MoE-Spec (lossy, 45 % tokens match)', or 'MoE-Spec (lossy)'
+    without a measurement. Stable signature: every figure with a legend of methods uses it.
+    """
+    from specter.figures.common import METHOD_LABELS  # common imports matplotlib; labels stays light
+
+    base, settings = split_variant(label)
+    notes = [", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in settings.items())] if settings else []
+    if is_lossy(base):
+        if token_match is None or (isinstance(token_match, float) and math.isnan(token_match)):
+            notes.append("lossy")
+        else:
+            notes.append(f"lossy, {100 * float(token_match):.0f} % tokens match")
+    name = METHOD_LABELS.get(base, base)
+    return f"{name} ({'; '.join(notes)})" if notes else name
+
+
+def token_match_of(records: pd.DataFrame, by: str = "method") -> dict[str, float]:
+    """Mean `token_match_fraction` per value of `by` (a method or variant column), over the records
+    that carry one; labels without any are absent (legend_label then says just 'lossy')."""
+    if records is None or records.empty or TOKEN_MATCH not in records or by not in records:
+        return {}
+    values = pd.to_numeric(records[TOKEN_MATCH], errors="coerce")
+    means = values.groupby(records[by].astype(str)).mean().dropna()
+    return {k: float(v) for k, v in means.items()}
 
 
 CELL = ("model", "memory", "hardware")  # runs in different cells are never drawn side by side

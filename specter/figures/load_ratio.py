@@ -119,7 +119,7 @@ def build(results: ResultSet, out: Output) -> None:
         ax.axhline(1.0, color="black", lw=0.6)
         _mark_operating_points(ax, model)
         ax.set_xscale("log", base=2)
-        style_axes(ax, "Specter's speedup over Offload-AR", xlabel="load ratio r (× = effective r measured)",
+        style_axes(ax, f"{model}: Specter's speedup\nover Offload-AR", xlabel="load ratio r (×: effective r)",
                    ylabel="speedup (×)" if c == 0 else None)
         ax.set_xticks(ratios, [f"{r:g}" for r in ratios], fontsize=7)
     handles = [Line2D([], [], color=colors[m], marker=None if m == REFERENCE else "o",

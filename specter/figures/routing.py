@@ -144,7 +144,8 @@ def build(results: ResultSet, out: Output) -> None:
         for patch in box["boxes"]:
             patch.set(facecolor="#56B4E9", alpha=0.7, edgecolor="#0072B2")
         left.set_xticks(range(1, len(datasets) + 1), [dataset_label(d) for d in datasets])
-        style_axes(left, f"{model_label(model)}: working set per window", ylabel="distinct experts / layer")
+        # the model on its own line: "<model> (mirrors <real model>): <panel>" overran the next panel
+        style_axes(left, f"{model_label(model)}\nworking set per window", ylabel="distinct experts / layer")
         d = dist[dist["model"] == model] if not dist.empty else dist
         names = order_datasets(routes.loc[routes["model"] == model, "dataset"].unique())
         mat = np.zeros((len(names), len(names)))
@@ -158,7 +159,7 @@ def build(results: ResultSet, out: Output) -> None:
             for j in range(len(names)):
                 right.text(j, i, f"{mat[i, j]:.2f}", ha="center", va="center", fontsize=7,
                            color="white" if mat[i, j] < 0.6 else "black")
-        right.set_title(f"{model_label(model)}: routing distance (JS)", fontsize=10, loc="left", fontweight="bold")
+        right.set_title(f"{model}\nrouting distance (JS)", fontsize=10, loc="left", fontweight="bold")
         fig.colorbar(im, ax=right, fraction=0.046, pad=0.04)
     fig.tight_layout()
     out.figure(fig, NAME)

@@ -12,6 +12,7 @@ import pandas as pd
 
 from specter.figures.common import Output, Skip, ratio_bars
 from specter.figures.data import ResultSet
+from specter.figures.labels import legend_label, token_match_of
 
 NAME = "fig_staging_ablation"
 ABLATION = "staging0"  # the folder below ablation/ that holds the method.staging_buffers=0 runs
@@ -55,4 +56,6 @@ def build(results: ResultSet, out: Output) -> None:
         "staging_buffers: the count the rule gave the main run (what the budget holds beyond the method's design, "
         "at most 1.2 per MoE layer); _no_staging: the same run with method.staging_buffers=0.",
         "gain = median TPOT without / with (> 1: the buffers helped)."])
-    ratio_bars(out, table, NAME, "gain", "TPOT without / with staging")
+    match = token_match_of(results.records("main"))
+    ratio_bars(out, table, NAME, "gain", "TPOT without / with staging",
+               labels={m: legend_label(m, match.get(m)) for m in table["method"].unique()})

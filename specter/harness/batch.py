@@ -14,7 +14,8 @@ cache reset, with each request's own seed. Results, per B, go to a run folder of
                  TPOT over all requests), throughput_tok_s (generated tokens / batch wall time, first
                  admission to last commit, summed over the groups), distinct_experts_per_layer (the
                  verification working set per MoE layer per iteration, Fig. 16), h2d_bytes_per_token,
-                 acceptance (mean per-request α), and the I/O counters behind them
+                 acceptance (mean per-request α), token_match_fraction (lossy methods: mean share of
+                 target-only's tokens reproduced), and the I/O counters behind them
 
 and ``<output_dir>/batch_summary.csv`` lists every size, measured or refused. Memory budgets
 account for B: KV cache and scratch grow with B (`Footprint`), and a size whose footprint exceeds
@@ -146,6 +147,7 @@ def batch_row(runs: list[BatchRun]) -> dict[str, Any]:
 
     h2d = total("h2d_bytes")
     recalls = [v for run in runs if (v := run.stats.get("prefetch_recall")) is not None]
+    matches = [m for r in reqs if (m := r.stats.get("token_match_fraction")) is not None]  # lossy methods only
     return {
         "requests": len(reqs), "batches": len(runs), "new_tokens": tokens, "wall_s": wall,
         "tpot_median_ms": statistics.median(tpots) if tpots else None,
@@ -163,6 +165,7 @@ def batch_row(runs: list[BatchRun]) -> dict[str, Any]:
         "copy_wait_ms": total("copy_wait_ms"), "oracle_h2d_bytes": total("oracle_h2d_bytes"),
         "prefetch_recall": statistics.fmean(recalls) if recalls else None,
         "kv_compactions": total("kv_compactions"),
+        "token_match_fraction": statistics.fmean(matches) if matches else None,
     }
 
 

@@ -13,6 +13,8 @@ BATCH_COLUMNS = (
     "repeat", "hardware", "K", "resident_experts", "requests", "batches", "new_tokens", "wall_s", "tpot_mean_ms",
     "ttft_median_ms", "accepted_fraction", "iterations", "h2d_bytes", "demand_hits", "demand_misses",
     "copy_wait_ms", "oracle_h2d_bytes", "prefetch_recall", "kv_compactions", "footprint_mb", "budget_mb",
+    # added later, at the end (readers take the older header; a writer resuming one asks for a new output_dir)
+    "token_match_fraction",
 )
 
 BATCH_TEXT = frozenset({"method", "model", "memory", "dataset", "hardware"})
