@@ -28,7 +28,7 @@ def offload_ar(cm: CostModel, routes: list[dict[int, list[int]]], resident: int,
     once its experts are released (evicting its LRU expert and moving the top slot's expert into the
     victim's buffer). A buffer's copy and last-use events travel with it, so a borrowed buffer's next
     copy still waits for its last compute in the layer that used it. Returns TPOT (s), misses per
-    token, staged loads per token and the copy stream's busy fraction."""
+    token, staged loads per token, the copy stream's busy fraction and each token's commit time (`step_ends`)."""
     s = cm.s
     clock = VirtualClock()
     policies = {layer: LRUPolicy(resident) for layer in range(s.moe_layers)}
@@ -39,6 +39,7 @@ def offload_ar(cm: CostModel, routes: list[dict[int, list[int]]], resident: int,
         for e in range(min(resident, s.num_experts)):
             pol.admit(e)
     misses = 0
+    ends = []  # each token's commit (the clock after its step)
     t_expert, t_h2d = cm.t(cm.expert(1)), cm.h2d()
     for step in routes:
         for _ in range(s.num_layers - s.moe_layers):  # dense layers: attention + dense MLP
@@ -75,11 +76,11 @@ def offload_ar(cm: CostModel, routes: list[dict[int, list[int]]], resident: int,
                 pol.unprotect(e)
             _return_staging(pol, buffers[layer], resident, pool)
         clock.enqueue("compute", "lm_head", cm.t(cm.lm_head(1)))
-        clock.sync()  # the token reaches the host before the next step
+        ends.append(clock.sync())  # the token reaches the host before the next step
     n = max(1, len(routes))
     copy_busy = sum(end - start for stream, _, start, end in clock.log if stream == "copy")
     return {"tpot": clock.elapsed / n, "misses_per_token": misses / n, "staged_per_token": staged / n,
-            "copy_busy": copy_busy / clock.elapsed if clock.elapsed else 0.0}
+            "copy_busy": copy_busy / clock.elapsed if clock.elapsed else 0.0, "step_ends": ends}
 
 
 def _return_staging(pol: LRUPolicy, buffers: list, own: int, pool: list) -> None:

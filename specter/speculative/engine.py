@@ -313,6 +313,10 @@ class SpeculativeEngine(BatchLoop):
     union working set ranked by how many (request, step) pairs routed to each expert.
     """
 
+    # The time source the planner's draft-step estimate is read from (seconds); None: the host's clock
+    # (CUDA events on a GPU). A modelled device sets its own (specter/projection/virtual.py).
+    step_clock: Callable[[], float] | None = None
+
     def __init__(self, rt: Runtime, K: int, params: SamplingParams, prefetch: str = "adaptive",
                  planner_config: PlannerConfig | None = None, planner_state: PlannerState = "warm",
                  expert_filter: ExpertFilter | None = None, plan_cap: int | None = None,
@@ -469,7 +473,7 @@ class SpeculativeEngine(BatchLoop):
 
     # ------------------------------------------------------------------------------ draft
     def _draft(self, last: torch.Tensor, Kb: int, limits: list[int]):
-        planner, prefetcher, timer = self.planner, self.prefetcher, StepTimer(self.device)
+        planner, prefetcher, timer = self.planner, self.prefetcher, StepTimer(self.device, now=self.step_clock)
         planner.begin_window(Kb)
         prefetcher.before_draft(self, last, Kb)
         tokens, qs = [], []
