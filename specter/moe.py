@@ -98,6 +98,9 @@ class OpMeter(Protocol):
     def expert(self, uid: Any, tokens: int, buffer: torch.Tensor) -> None:
         """One routed FP expert on its `tokens` tokens, reading the device slot `buffer`."""
 
+    def readback(self) -> None:
+        """The host reads the draft's route counts back for a prefetch plan (one D2H copy)."""
+
 
 @dataclass(frozen=True)
 class DraftExecutor:

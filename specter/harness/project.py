@@ -204,6 +204,7 @@ def engine_rows(cfg: DictConfig, cm, real: str, proxy: str, slots: dict, K: int)
         r = run_method(mcfg, checkpoint, cm, prompts, int(p.new_tokens), int(p.warmup_tokens), slots[name],
                        int(p.timeline_window))
         runs[name] = r
+        print(f"  {name}: {_fmt(r.tpot, 1e3) or '-'} ms/token projected", flush=True)
         M, S = slots[name]
         if name != "target_only" and (r.resident, r.staging) != (M, S):
             raise RuntimeError(f"{name}: the proxy ran with M={r.resident} + {r.staging} staging buffers, the real "

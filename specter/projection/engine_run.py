@@ -35,6 +35,8 @@ class Projected:
     staging: int
     tokens: list[list[int]] = field(default_factory=list)  # per measured record
     timeline: list[tuple[str, str, float, float]] = field(default_factory=list)  # one window: (stream, op, start, end)
+    route_windows: list[dict[int, set[int]]] = field(default_factory=list)  # the last record's target routes per window
+    decode_forwards: int = 0  # target forwards of the last record (its prefill included)
     note: str = ""
     machine: VirtualMachine | None = None
 
@@ -119,10 +121,12 @@ def run_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prompts: list[t
             drafted += int(out.stats.get("drafted_tokens") or 0)
             accepted += int(out.stats.get("accepted_tokens") or 0)
             tokens.append(list(out.tokens))
+            last_targets = len(ends)
             if i == 0 and cfg.method.name in SPECULATIVE:
                 timeline = one_window(machine, log0, timeline_window)
         for h in handles:
             h.remove()
+        log = getattr(method, "route_log", None) or getattr(getattr(method, "engine", None), "route_log", None)
         rt = getattr(method, "rt", None)
         resident = int(rt.resident) if rt is not None else None
         staging = int(rt.cache.staging) if rt is not None else 0
@@ -131,8 +135,9 @@ def run_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prompts: list[t
             method=str(cfg.method.name), tpot=decode_s / steps if steps else None,
             loads_per_token=loads / steps if steps and rt is not None else None,
             copy_busy=busy / decode_s if decode_s and rt is not None else None,
-            acceptance=accepted / drafted if speculative and drafted else None, resident=resident, staging=staging, tokens=tokens, timeline=timeline,
-            machine=machine)
+            acceptance=accepted / drafted if speculative and drafted else None, resident=resident, staging=staging,
+            tokens=tokens, timeline=timeline,
+            route_windows=list(log.windows) if log is not None else [], decode_forwards=last_targets, machine=machine)
     finally:
         method.close()
 

@@ -116,6 +116,11 @@ class VirtualMachine:
         per = -(-tokens * s.top_k // distinct)  # tokens per expert, rounded up
         self._compute(f"L{layer} resident experts", self.block[layer] * distinct * self.cm.t(self.cm.expert(per)))
 
+    def readback(self) -> None:
+        """The ELB's counts of every real MoE layer (int32 [L, E]) read back to plan a prefetch."""
+        s, d = self.cm.s, self.cm.d
+        self._compute("plan D2H", d.d2h_latency + s.moe_layers * s.num_experts * 4 / d.d2h_bandwidth)
+
     def head(self, tokens: int, kind: str) -> None:
         ev = self._compute(f"lm_head {kind}", self.cm.t(self.cm.lm_head(tokens)))
         self.forwards.append(Forward(ev.time, kind, tokens))

@@ -251,6 +251,8 @@ class BoundaryPrefetch(WindowPrefetch):
 
     def boundary(self, engine: SpeculativeEngine, step: int) -> None:
         plan = self.elb.snapshot_plan(engine.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
+        if engine.rt.moe.meter is not None:
+            engine.rt.moe.meter.readback()
         engine.recorder.plan(plan)
         t0, before = time.perf_counter(), engine.rt.link.bytes_copied
         dropped = prefetch_at_boundary(engine.rt.cache, engine.planner, step, plan, engine.plan_capacity)
