@@ -129,9 +129,9 @@ class ProjectConfig:
     device: str = "a100_40gb_pcie4"  # a device file in specter/projection/devices/ (or a path to one)
     methods: list[str] = field(default_factory=lambda: ["target_only", "offload_ar", "mo_sc", "mo_sm", "specmoeoff",
                                                         "moe_spec", "specter"])  # run by the engine on the virtual clock
-    prompts: int = 4  # held-out prompts of prefix_tokens tokens
-    new_tokens: int = 48  # tokens generated per prompt
-    warmup_tokens: int = 16  # one warm-up record first
+    prompts: int = 2  # held-out prompts of prefix_tokens tokens
+    new_tokens: int = 32  # tokens generated per prompt
+    warmup_tokens: int = 8  # one warm-up record first
     quant: str = "rtn"  # the INT4 draft: rtn | gptq
     timeline_window: int = 2  # the window of Specter's first record that timeline.csv holds
     tokens: int = 128  # replay: decode steps replayed

@@ -84,7 +84,7 @@ def one_window(machine: VirtualMachine, log_start: int, window: int) -> list[tup
     if len(ends) < window + 2:
         return []
     t0, t1 = ends[window], ends[window + 1]
-    return [(s, op, a - t0, b - t0) for s, op, a, b in machine.clock.log[log_start:] if a >= t0 and b <= t1 + 1e-12]
+    return [(s, op, a - t0, b - t0) for s, op, a, b in machine.clock.log[log_start:] if t0 <= a < t1]
 
 
 def run_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prompts: list[torch.Tensor], new_tokens: int,

@@ -1,8 +1,9 @@
 """Replay of per-token routes at a real model's sizes on the virtual clock (target_only, offload_ar).
 
 What is the engine's own: the per-layer LRU policy (`specter.offload.cache.LRUPolicy`: which
-expert is evicted, which slot it frees) and the residency order of a layer ("hits first, misses
-computed as they land"). What is a replay: the forward itself (each op is charged its cost from
+expert is evicted, which slot it frees) and the residency order of a layer (`expert_wise_moe`: after
+the router every miss is submitted, the hits compute while they copy, the misses compute as they
+land). What is a replay: the forward itself (each op is charged its cost from
 `cost_model.CostModel` on `clock.VirtualClock`, nothing runs), and the routes are given per
 token (real layer -> routed expert ids, e.g. through `mapping.RouteMap`).
 """
@@ -50,13 +51,13 @@ def offload_ar(cm: CostModel, routes: list[dict[int, list[int]]], resident: int,
             experts = step.get(layer, [])
             hits = [e for e in experts if pol.lookup(e) is not None]
             miss = [e for e in experts if pol.lookup(e) is None]
-            for e in hits:  # hits first, protected so a miss cannot evict them mid-layer
+            for e in hits:  # hits are protected first, so a miss cannot evict them mid-layer
                 pol.touch(e)
                 pol.protect(e)
-                clock.compute_on(buffers[layer][pol.lookup(e)], f"expert {e}", t_expert)
-            # the router's result reaches the host before a miss can be submitted
+            # the router's result reaches the host, which submits every miss before any expert computes
             router_done = clock.enqueue("compute", "route sync", 0.0)
             clock.wait("copy", router_done)
+            landing = []
             for e in miss:
                 placed = pol.admit(e)
                 if placed is None and pool:  # every own slot protected: borrow a staging buffer
@@ -70,6 +71,10 @@ def offload_ar(cm: CostModel, routes: list[dict[int, list[int]]], resident: int,
                 buf = buffers[layer][placed[0]]
                 pol.protect(e)
                 clock.copy_into(buf, f"h2d {e}", t_h2d)
+                landing.append((e, buf))
+            for e in hits:  # the hits compute while the misses copy
+                clock.compute_on(buffers[layer][pol.lookup(e)], f"expert {e}", t_expert)
+            for e, buf in landing:
                 clock.compute_on(buf, f"expert {e}", t_expert)  # computed as it lands
             misses += len(miss)
             for e in experts:
