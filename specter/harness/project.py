@@ -149,6 +149,8 @@ def replay_rows(cfg: DictConfig, cm, real: str, proxy: str, trained: bool, M: in
     p, s = cfg.project, cm.s
     tokens, seed = int(p.tokens), int(cfg.seed)
     folder = tiny_dir(proxy, trained=trained)
+    if trained and not (folder / "config.json").is_file() and list(p.methods):
+        folder = tiny_dir(proxy, trained=False)  # the proxy the engine rows ran (untrained when no trained one)
     have_proxy = (folder / "config.json").is_file()
     if p.routes == "proxy" and not have_proxy:
         raise ConfigError(f"project.routes=proxy: no proxy checkpoint {folder} (train it with: python run.py "
