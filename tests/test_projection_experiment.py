@@ -58,7 +58,7 @@ def test_project_replays_the_proxy_routes(tiny_checkpoint, tmp_path, capsys):
     tiny_checkpoint("tiny_dsv2")
     args = ["model=tiny_dsv2", "model.trained=false", "memory=high", "project.routes=proxy"]
     data = _run(tmp_path / "a", args)
-    assert "routes of the proxy tiny_dsv2" in capsys.readouterr().out
+    assert "the proxy tiny_dsv2's teacher-forced routes" in capsys.readouterr().out
     rows = list(csv.DictReader(data.decode().splitlines()))
     assert rows[0]["model"] == "dsv2" and {r["routes"] for r in rows} == {"tiny_dsv2"} and rows[0]["resident"] == "16"
     assert [r["source"] for r in rows] == ["replay", "replay_unpermuted"]
