@@ -27,7 +27,9 @@ from specter.figures.common import (Output, Skip, legend_above, method_colors, m
 from specter.figures.data import ResultSet
 
 NAME = "fig14_projected_tpot"
-KINDS = {"draft experts": "#0072B2", "expert": "#E69F00", "h2d": "#009E73", "other": "#B0B0B0"}
+KINDS = {"draft": "#56B4E9", "expert": "#E69F00", "h2d": "#009E73", "other": "#B0B0B0"}
+KIND_LABELS = ("draft steps (INT4 experts + FP16 rest)", "target experts (verification)", "H2D expert copy",
+               "verification: attention, router, lm_head")
 
 
 def _found(results: ResultSet, name: str) -> list[tuple[Path, pd.DataFrame]]:
@@ -94,14 +96,16 @@ def _tpot_figure(df: pd.DataFrame, out: Output, suffix: str, device: str) -> Non
                      "on the tiny proxy, not a measurement. ratio = projected / paper."])
 
 
-def _kind(stream: str, op: str) -> str:
-    if stream == "copy":
-        return "h2d"
-    if "draft experts" in op:
-        return "draft experts"
-    if " expert " in op:
-        return "expert"
-    return "other"
+def _kinds(ops: pd.DataFrame) -> list[str]:
+    """Each op's colour: copies; compute up to the window's last draft-expert op is the draft; after it,
+    the target's experts and the rest of verification."""
+    draft = ops[ops["op"].str.contains("draft experts")]
+    draft_end = float(draft["end_ms"].max()) if len(draft) else float("-inf")
+    out = []
+    for stream, op, end in zip(ops["stream"], ops["op"], ops["end_ms"]):
+        out.append("h2d" if stream == "copy" else "draft" if end <= draft_end + 1e-9 else
+                   "expert" if " expert " in op else "other")
+    return out
 
 
 def _windows(results: ResultSet, out: Output) -> None:
@@ -113,19 +117,20 @@ def _windows(results: ResultSet, out: Output) -> None:
     cases = df[["model", "memory"]].drop_duplicates()
     cases = cases[cases["memory"] == "high"] if (cases["memory"] == "high").any() else cases
     models = order_models(cases["model"].unique())
-    fig, axes = subplots(len(models), 1, w=8.0, h=1.5)
+    fig, axes = subplots(len(models), 1, w=8.0, h=1.9)
+    fig.subplots_adjust(hspace=0.9)
     for ax, model in zip(axes[:, 0], models):
         tier = cases[cases["model"] == model]["memory"].iloc[0]
         g = df[(df["model"] == model) & (df["memory"] == tier)]
+        g = g.assign(kind=_kinds(g))
         for lane, stream in enumerate(("copy", "compute")):
             s = g[g["stream"] == stream]
             for kind, color in KINDS.items():
-                part = s[[_kind(stream, op) == kind for op in s["op"]]]
+                part = s[s["kind"] == kind]
                 if len(part):
                     ax.broken_barh(list(zip(part["start_ms"], part["end_ms"] - part["start_ms"])), (lane - 0.4, 0.8),
                                    color=color)
         ax.set_yticks([0, 1], ["copy", "compute"])
         style_axes(ax, f"{model_label(model)}, {tier} memory: one Specter window (projected)", xlabel="ms")
-    legend_above(fig, [Patch(color=c) for c in KINDS.values()], ["draft experts (INT4)", "target experts",
-                                                                  "H2D expert copy", "attention, router, lm_head"])
+    legend_above(fig, [Patch(color=c) for c in KINDS.values()], list(KIND_LABELS), ncol=2)
     out.figure(fig, "fig_projected_window")
