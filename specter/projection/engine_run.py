@@ -146,12 +146,3 @@ def _moe_layers(model: torch.nn.Module) -> list[int]:
     from specter.models.arch import moe_blocks
 
     return sorted(moe_blocks(model))
-
-
-def check_slots(projected: Projected, slots: tuple[int | None, int]) -> None:
-    """The proxy decoded with the real model's slots (a method's own sizing rule must not have changed them)."""
-    M, S = slots
-    if projected.method != "target_only" and (projected.resident, projected.staging) != (M, S):
-        raise RuntimeError(f"{projected.method}: the proxy ran with M={projected.resident}, {projected.staging} "
-                           f"staging buffers; the real model's plan says M={M}, {S}")
-
