@@ -112,6 +112,7 @@ step_measure_device() {
   file="$(cd "$DEST" && pwd)/measured_device.yaml"
   "$PY" -m specter.projection.measure_device --out "$file" && \
     "$PY" run.py experiment=project model=dsv2 memory=high project.routes=independent \
+      project.methods=[offload_ar] project.prompts=1 project.new_tokens=8 \
       project.device="$file" output_dir="$WORK/project" progress=false
 }
 

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -79,9 +79,27 @@ class Observers:
     expert_filter: ExpertFilter | None = None  # verification-time route filter (MoE-Spec's budget, padding)
     capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # calibration hook (layer, x, idx)
     tracer: Any = None  # specter.speculative.trace.WindowTracer: per-layer / per-expert verification spans
+    meter: OpMeter | None = None  # charges each operation's modelled cost (specter/projection); None: nothing
 
 
 NO_OBSERVERS = Observers()
+
+
+class OpMeter(Protocol):
+    """What a modelled time base is told about the work the routed-experts path does (the projection's
+    virtual machine implements it; nothing in normal runs). Calls arrive in execution order."""
+
+    def layer(self, layer: int, tokens: int) -> None:
+        """A MoE layer's non-routed work (attention, norms, router, shared experts) on `tokens` tokens."""
+
+    def draft_experts(self, layer: int, topk_idx: torch.Tensor) -> None:
+        """The fused INT4 draft kernel over one layer's routes ``topk_idx [T, k]``."""
+
+    def expert(self, uid: Any, tokens: int, buffer: torch.Tensor) -> None:
+        """One routed FP expert on its `tokens` tokens, reading the device slot `buffer`."""
+
+    def readback(self) -> None:
+        """The host reads the draft's route counts back for a prefetch plan (one D2H copy)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,8 @@ class DraftExecutor:
                  seen: Observers) -> torch.Tensor:
         if seen.elb is not None:
             seen.elb.add(layer, topk_idx)
+        if seen.meter is not None:
+            seen.meter.draft_experts(layer, topk_idx)
         return self.forward(x, topk_idx, topk_w, self.experts[layer], act_fn)
 
 
@@ -125,11 +145,11 @@ class TargetExecutor:
         if self.host:
             return host_moe(x, topk_idx, topk_w, layer, self.cache.store, act_fn)
         if self.schedule == "token":
-            return token_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn)
+            return token_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn, meter=seen.meter)
         if seen.tracer is None:
-            return expert_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn)
+            return expert_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn, meter=seen.meter)
         t0 = time.perf_counter()
-        out = expert_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn, tracer=seen.tracer)
+        out = expert_wise_moe(x, topk_idx, topk_w, layer, self.cache, act_fn, tracer=seen.tracer, meter=seen.meter)
         seen.tracer.span("moe", t0, time.perf_counter(), layer=layer)
         return out
 
@@ -147,6 +167,22 @@ class MoERuntime:
         self.host = replace(target, host=True)
         self._active: TargetExecutor | DraftExecutor = target
         self._seen = NO_OBSERVERS
+        self._meter: OpMeter | None = None
+
+    @property
+    def meter(self) -> OpMeter | None:
+        """The modelled time base every timed pass reports its work to (None: nothing is charged)."""
+        return self._meter
+
+    @meter.setter
+    def meter(self, meter: OpMeter | None) -> None:
+        self._meter = meter
+        self._seen = replace(self._seen, meter=meter)
+
+    @property
+    def untimed(self) -> bool:
+        """True while experts come straight from the host store (probes, calibration: never timed)."""
+        return self._active is self.host
 
     @property
     def current(self) -> Mode:
@@ -170,13 +206,15 @@ class MoERuntime:
             raise RuntimeError("draft mode needs the INT4 draft experts attached (a DraftExecutor)")
         saved = (self._active, self._seen)
         self._active = self.draft if mode == "draft" else self.host if host_compute else self.target
-        self._seen = Observers(elb, route_log, expert_filter, capture, tracer)
+        self._seen = Observers(elb, route_log, expert_filter, capture, tracer, self._meter)
         try:
             yield self
         finally:
             self._active, self._seen = saved
 
     def experts_forward(self, layer: int, x, topk_idx, topk_w, act_fn) -> torch.Tensor:
+        if self._meter is not None and not self.untimed:
+            self._meter.layer(layer, x.shape[0])
         return self._active(layer, x, topk_idx, topk_w, act_fn, self._seen)
 
 

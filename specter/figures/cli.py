@@ -25,6 +25,9 @@ Outputs (missing inputs are skipped with a printed note, never drawn as placehol
   verify_schedule                expert-wise vs token-wise verification                 (verify_schedule.csv)
   fig_load_ratio                 TPOT and Specter's speedup against the link's load ratio r (load_ratio.csv)
   paper_vs_here                  the paper's numbers beside ours, as ratios            (results/paper/*.csv)
+  fig14_projected_tpot, table_projected_vs_paper, fig_projected_window
+                                 projected TPOT on the paper's machine beside the paper's (projection.csv,
+                                 timeline.csv of experiment=project; also read from results/project/)
   index.md                       what was written and what was skipped, and why
 """
 
@@ -43,6 +46,7 @@ from specter.figures import (
     k_sweep,
     load_ratio,
     paper_compare,
+    projection,
     routing,
     staging,
     timeline,
@@ -65,6 +69,7 @@ FIGURES = (
     ("Verification schedule", verify_schedule),
     ("TPOT against the load ratio", load_ratio),
     ("Paper vs here", paper_compare),
+    ("Projected Fig. 14 (virtual clock)", projection),
 )
 
 

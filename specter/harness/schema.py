@@ -127,8 +127,15 @@ class ProjectConfig:
     """experiment=project: projected TPOT at the real model's sizes on a modelled device (specter/projection)."""
 
     device: str = "a100_40gb_pcie4"  # a device file in specter/projection/devices/ (or a path to one)
-    tokens: int = 128  # decode steps replayed
-    routes: str = "auto"  # auto (the tiny proxy's if its checkpoint exists, else independent) | proxy | independent
+    methods: list[str] = field(default_factory=lambda: ["target_only", "offload_ar", "mo_sc", "mo_sm", "specmoeoff",
+                                                        "moe_spec", "specter"])  # run by the engine on the virtual clock
+    prompts: int = 2  # held-out prompts of prefix_tokens tokens
+    new_tokens: int = 32  # tokens generated per prompt
+    warmup_tokens: int = 8  # one warm-up record first
+    quant: str = "rtn"  # the INT4 draft: rtn | gptq
+    timeline_window: int = 2  # the window of Specter's first record that timeline.csv holds
+    tokens: int = 128  # replay: decode steps replayed
+    routes: str = "auto"  # replay: auto (the tiny proxy's if its checkpoint exists, else independent) | proxy | independent
 
 
 @dataclass

@@ -456,6 +456,8 @@ class ExpertCache:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             st.last_use[handle.slot] = event
+        else:  # a link with its own time base marks the use (None on host links: nothing to order)
+            st.last_use[handle.slot] = self.link.use_marker()
         handle.released = True
         if st.policy.capacity > st.own:
             self._return_staging(st)

@@ -92,6 +92,11 @@ class TransferLink(ABC):
     def synchronize(self) -> None:
         """Block until every submitted copy has landed."""
 
+    def use_marker(self) -> Any:
+        """What a slot's next copy must follow once the compute reading it is done, for links whose
+        time is not the host's (passed back as ``after=``); None: the host's order is enough."""
+        return None
+
     def close(self) -> None:
         self._closed = True
 

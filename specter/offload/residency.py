@@ -42,10 +42,11 @@ def _acquire_or_free(cache: ExpertCache, uid: ExpertUID) -> SlotHandle | None:
 
 
 def expert_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, layer: int, cache: ExpertCache,
-                    act_fn: ActFn, on_expert: OnExpert | None = None, tracer=None) -> torch.Tensor:
+                    act_fn: ActFn, on_expert: OnExpert | None = None, tracer=None, meter=None) -> torch.Tensor:
     """Routed-expert output ``[T,H]`` of ``x [T,H]`` for ``topk_idx/topk_w [T,k]`` through the cache.
 
-    ``tracer`` (a `specter.speculative.trace.WindowTracer`) receives each expert's wait and compute spans.
+    ``tracer`` (a `specter.speculative.trace.WindowTracer`) receives each expert's wait and compute spans;
+    ``meter`` (a `specter.moe.OpMeter`) is told each expert compute, after its wait and before its release.
     """
     groups = group_by_expert(topk_idx, cache.store.num_experts)
     by_expert = {e: (tok, pos) for e, tok, pos in groups}
@@ -91,6 +92,8 @@ def expert_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
         gate_up, down = cache.views(handle)
         y = expert_ffn(x[tok], gate_up, down, act_fn)  # [n, H]
         outputs[handle.uid.expert] = y * topk_w[tok, pos, None]
+        if meter is not None:
+            meter.expert(handle.uid, len(tok), cache.slot_buffer(handle.uid.layer, handle.slot))
         if tracer is not None:
             uid = handle.uid
             tracer.span("wait", t_wait, t_compute, layer=uid.layer, expert=uid.expert, phase="hit" if handle.hit else "miss")
@@ -117,7 +120,7 @@ def expert_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
 
 
 def token_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, layer: int, cache: ExpertCache,
-                   act_fn: ActFn, on_expert: OnExpert | None = None) -> torch.Tensor:
+                   act_fn: ActFn, on_expert: OnExpert | None = None, meter=None) -> torch.Tensor:
     """Token-at-a-time execution (what autoregressive offloading does): each token loads
     and runs its own experts. Same result as ``expert_wise_moe`` up to GEMM rounding;
     each token's experts are summed in ascending id like the reference."""
@@ -135,6 +138,8 @@ def token_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor
             cache.wait(handle)
             gate_up, down = cache.views(handle)
             y = expert_ffn(x[t : t + 1], gate_up, down, act_fn) * topk_w[t, pos]  # [1, H]
+            if meter is not None:
+                meter.expert(uid, 1, cache.slot_buffer(layer, handle.slot))
             if on_expert is not None:
                 on_expert(uid, handle.hit)
             cache.release(handle)

@@ -167,11 +167,12 @@ class CostModel:
         p = self.expert_params()
         return p / 2 + p / INT4_GROUP * FP16  # packed nibbles + one FP16 scale per group
 
-    def draft_experts(self, k: int, fused: bool = True) -> Op:
-        """A draft step's `k` INT4 routed experts of one layer (one token): fused = one launch."""
+    def draft_experts(self, k: int, fused: bool = True, routes: int | None = None) -> Op:
+        """A draft step's `k` distinct INT4 routed experts of one layer over `routes` (token, expert) pairs
+        (default k: one token): fused = one launch."""
         p = self.expert_params()
         launches = LAUNCHES["draft_fused"] if fused else k * LAUNCHES["expert"]
-        return Op("draft_experts", k * self.int4_expert_bytes(), 2 * p * k, launches)
+        return Op("draft_experts", k * self.int4_expert_bytes(), 2 * p * (k if routes is None else routes), launches)
 
     def lm_head(self, n: int = 1) -> Op:
         p = self.s.vocab * self.s.hidden

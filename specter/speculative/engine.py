@@ -251,6 +251,8 @@ class BoundaryPrefetch(WindowPrefetch):
 
     def boundary(self, engine: SpeculativeEngine, step: int) -> None:
         plan = self.elb.snapshot_plan(engine.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
+        if engine.rt.moe.meter is not None:
+            engine.rt.moe.meter.readback()
         engine.recorder.plan(plan)
         t0, before = time.perf_counter(), engine.rt.link.bytes_copied
         dropped = prefetch_at_boundary(engine.rt.cache, engine.planner, step, plan, engine.plan_capacity)
@@ -312,6 +314,10 @@ class SpeculativeEngine(BatchLoop):
     The ELB counts the draft routes of all B requests, so the planner's top-M plan per layer is the
     union working set ranked by how many (request, step) pairs routed to each expert.
     """
+
+    # The time source the planner's draft-step estimate is read from (seconds); None: the host's clock
+    # (CUDA events on a GPU). A modelled device sets its own (specter/projection/virtual.py).
+    step_clock: Callable[[], float] | None = None
 
     def __init__(self, rt: Runtime, K: int, params: SamplingParams, prefetch: str = "adaptive",
                  planner_config: PlannerConfig | None = None, planner_state: PlannerState = "warm",
@@ -469,7 +475,7 @@ class SpeculativeEngine(BatchLoop):
 
     # ------------------------------------------------------------------------------ draft
     def _draft(self, last: torch.Tensor, Kb: int, limits: list[int]):
-        planner, prefetcher, timer = self.planner, self.prefetcher, StepTimer(self.device)
+        planner, prefetcher, timer = self.planner, self.prefetcher, StepTimer(self.device, now=self.step_clock)
         planner.begin_window(Kb)
         prefetcher.before_draft(self, last, Kb)
         tokens, qs = [], []

@@ -8,15 +8,20 @@ and reads the durations back only when asked (at a planner boundary, which syncs
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 
 class StepTimer:
-    """Durations of consecutive steps: `start()`, then `lap()` after each step, `harvest()` to read."""
+    """Durations of consecutive steps: `start()`, then `lap()` after each step, `harvest()` to read.
 
-    def __init__(self, device: torch.device):
-        self.cuda = torch.device(device).type == "cuda"
+    ``now``: a time source of its own (seconds; e.g. a modelled device's clock) instead of the host's
+    clock or CUDA events."""
+
+    def __init__(self, device: torch.device, now: Callable[[], float] | None = None):
+        self.now = now
+        self.cuda = now is None and torch.device(device).type == "cuda"
         self._marks: list = []
         self._done: list[float] = []
 
@@ -25,7 +30,7 @@ class StepTimer:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return self.now() if self.now is not None else time.perf_counter()
 
     def start(self) -> None:
         self._marks = [self._mark()]

@@ -1,0 +1,148 @@
+"""Every in-process method, built by the harness's method builder on the tiny proxy, run on a `VirtualMachine`.
+
+Per method: the proxy's config with the real model's slot counts for that method (what
+`experiment=plan` derives for the paper's case: `plan_rows`), the device budget lifted (the proxy's
+own budget would refuse the real tier's slots), greedy decoding, then one warm-up record and the
+measured records, each from the reset cache. TPOT is the paper's definition on the virtual clock:
+(last commit - first commit) / (tokens - 1), a commit being the end of a target forward (the prefill's,
+then every step's or verification's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+import torch
+from omegaconf import DictConfig
+
+from specter.projection.cost_model import CostModel
+from specter.projection.virtual import VirtualMachine, attach
+
+METHODS = ("target_only", "offload_ar", "mo_sc", "mo_sm", "specmoeoff", "moe_spec", "specter")
+SPECULATIVE = ("specmoeoff", "moe_spec", "specter")
+
+
+@dataclass
+class Projected:
+    """One method's projection: TPOT and what explains it."""
+
+    method: str
+    tpot: float | None  # seconds per token on the virtual clock
+    loads_per_token: float | None  # real expert copies per decoded token
+    copy_busy: float | None  # copy stream busy fraction over the decode
+    acceptance: float | None  # accepted / drafted tokens (speculative methods)
+    resident: int | None
+    staging: int
+    tokens: list[list[int]] = field(default_factory=list)  # per measured record
+    timeline: list[tuple[str, str, float, float]] = field(default_factory=list)  # one window: (stream, op, start, end)
+    route_windows: list[dict[int, set[int]]] = field(default_factory=list)  # the last record's target routes per window
+    decode_forwards: int = 0  # target forwards of the last record (its prefill included)
+    note: str = ""
+    machine: VirtualMachine | None = None
+
+
+def proxy_overrides(proxy: str, trained: bool, tier: str, method: str, slots: tuple[int | None, int],
+                    K: int | None, quant: str, seed: int) -> list[str]:
+    """The proxy's config for `method` at the real model's slot counts (resident, staging)."""
+    M, S = slots
+    out = [f"model={proxy}", f"model.trained={str(trained).lower()}", f"method={method}", "hardware=cpu",
+           f"memory={tier}", "temperature=0", "verify_lossless=false", f"seed={seed}"]
+    if method == "target_only":
+        return out
+    out += ["memory.budget_mb=1000000", f"method.staging_buffers={S}"]  # the real tier's slots, not the proxy's budget
+    if method == "mo_sm":
+        out.append(f"method.residents={M}")
+    elif method == "specmoeoff":
+        out.append(f"method.residents.{tier}={M}")
+    else:
+        out.append(f"memory.resident_experts={M}")
+    if method in SPECULATIVE:
+        out.append(f"method.quant={quant}")
+    if method in ("specter", "moe_spec") and K is not None:
+        out.append(f"K={K}")
+    return out
+
+
+def held_out_prompts(checkpoint: Path, count: int, length: int) -> list[torch.Tensor]:
+    """`count` prompts of `length` tokens: the starts of held-out documents (humaneval, gsm8k)."""
+    from transformers import AutoTokenizer
+
+    from specter.routing_stats import HELD_OUT, held_out_docs
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    docs, _ = held_out_docs(tokenizer, HELD_OUT, 64 * count * length)
+    long_enough = [d[:length] for d in docs if len(d) >= length]
+    if len(long_enough) < count:
+        raise ValueError(f"only {len(long_enough)} held-out documents have {length} tokens; {count} prompts asked")
+    return [d[None] for d in long_enough[:count]]  # [1, P] each
+
+
+def one_window(machine: VirtualMachine, log_start: int, window: int) -> list[tuple[str, str, float, float]]:
+    """The clock's ops of the `window`-th speculative window of the first measured record (from the end
+    of one verification to the end of the next), times relative to its start."""
+    ends = [f.end for f in machine.forwards if f.kind == "target" and f.end >= machine.clock.log[log_start][2]]
+    if len(ends) < window + 2:
+        return []
+    t0, t1 = ends[window], ends[window + 1]
+    return [(s, op, a - t0, b - t0) for s, op, a, b in machine.clock.log[log_start:] if t0 <= a < t1]
+
+
+def run_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prompts: list[torch.Tensor], new_tokens: int,
+               warmup_tokens: int, slots: tuple[int | None, int], timeline_window: int = 2) -> Projected:
+    """Build `cfg.method` with the harness's builder, attach the machine, decode the prompts; the projection."""
+    from specter.harness.methods import build_method
+
+    method = build_method(cfg, checkpoint)
+    try:
+        rt = getattr(method, "rt", None)
+        layers = list(rt.om.moe_layers) if rt is not None else _moe_layers(method.model)
+        machine = VirtualMachine(cm, layers)
+        handles = attach(method, machine)
+        gen = torch.Generator().manual_seed(int(cfg.seed))
+        method.reset()
+        method.generate(prompts[0], warmup_tokens, gen)  # warm-up: the planner's estimates learn the clock
+        if hasattr(method, "warmed"):
+            method.warmed()
+        decode_s, steps, loads, busy = 0.0, 0, 0, 0.0
+        drafted = accepted = 0
+        tokens: list[list[int]] = []
+        timeline: list = []
+        for i, prompt in enumerate(prompts):
+            method.reset()
+            machine.clock.sync()  # records do not overlap: the previous one's copies have landed
+            f0, log0 = len(machine.forwards), len(machine.clock.log)
+            out = method.generate(prompt, new_tokens, gen)
+            ends = [f.end for f in machine.forwards[f0:] if f.kind == "target"]
+            first, last = ends[0], ends[-1]
+            decode_s += last - first
+            steps += len(out.tokens) - 1
+            loads += machine.real_loads(since=first)
+            busy += machine.copy_busy(first, last)
+            drafted += int(out.stats.get("drafted_tokens") or 0)
+            accepted += int(out.stats.get("accepted_tokens") or 0)
+            tokens.append(list(out.tokens))
+            last_targets = len(ends)
+            if i == 0 and cfg.method.name in SPECULATIVE:
+                timeline = one_window(machine, log0, timeline_window)
+        for h in handles:
+            h.remove()
+        log = getattr(method, "route_log", None) or getattr(getattr(method, "engine", None), "route_log", None)
+        rt = getattr(method, "rt", None)
+        resident = int(rt.resident) if rt is not None else None
+        staging = int(rt.cache.staging) if rt is not None else 0
+        speculative = cfg.method.name in SPECULATIVE
+        return Projected(
+            method=str(cfg.method.name), tpot=decode_s / steps if steps else None,
+            loads_per_token=loads / steps if steps and rt is not None else None,
+            copy_busy=busy / decode_s if decode_s and rt is not None else None,
+            acceptance=accepted / drafted if speculative and drafted else None, resident=resident, staging=staging,
+            tokens=tokens, timeline=timeline,
+            route_windows=list(log.windows) if log is not None else [], decode_forwards=last_targets, machine=machine)
+    finally:
+        method.close()
+
+
+def _moe_layers(model: torch.nn.Module) -> list[int]:
+    from specter.models.arch import moe_blocks
+
+    return sorted(moe_blocks(model))
