@@ -1,7 +1,8 @@
 """The steps of reproduce_all: each one's command, the steps it needs and the outputs that prove it ran.
 
 Order: check the datasets -> train the tiny models (once) -> K sweep per model and tier -> the main
-grid (models x tiers x methods) -> the staging ablation (every cache-owning method with
+grid (one experiment=cell step per model x tier: its in-process methods interleaved record by record
+in one process; an out-of-process engine, vLLM, keeps a step per cell of its own) -> the staging ablation (every cache-owning method with
 method.staging_buffers=0; QUICK: the first model's low tier) -> batching -> planner trace ->
 benchmarks (draft kernel, verification schedule, prefetch ablation) -> make_figures.py.
 """
@@ -73,6 +74,8 @@ class Plan:
 
 # methods that run with the tier's profiled K: Specter, and MoE-Spec (verification-time budgeting on Specter)
 PROFILED = ("specter", "moe_spec")
+# engines that run in a process of their own (a server): they cannot share a cell's process
+OUT_OF_PROCESS = ("vllm",)
 # methods that own an expert cache: staging buffers by one rule, ablated together (method.staging_buffers=0)
 CACHE_OWNING = ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "specter", "moe_spec")
 
@@ -146,17 +149,8 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                          units=len(sweep.k_values), model=m, method="specter").name
         for m in s.models:
             for tier in s.tiers:
-                for method in s.methods:
-                    extra, more = [], ()
-                    if method in PROFILED:
-                        extra, more = [f"k_profile={_k_profile(s, m, tier)}"], sweep_of(m, tier)
-                    out = s.results / "main" / f"{m}-{method}-{tier}"
-                    plan.add("main", f"main-{m}-{tier}-{method}",
-                             [py, "run.py", "experiment=main", f"model={m}", f"memory={tier}", f"method={method}",
-                              f"hardware={s.method_hardware(method)}", *ds, *trained_opt(m),
-                              *quick_over(main, "main"), *assets, *extra, f"output_dir={out}"],
-                             needs=needs(m, *more), checks=(Check("run", out, data.ready),),
-                             records=n_ds * main.num_prompts * main.repeats, model=m, method=method)
+                _cell_steps(plan, s, m, tier, ds, assets, trained_opt(m), quick_over(main, "main"), main, data,
+                            needs=lambda *more, m=m: needs(m, *more), sweep=sweep_of(m, tier))
         # the staging ablation: the same runs with method.staging_buffers=0 (QUICK: the first model's low tier)
         for m in s.models[:1] if s.quick else s.models:
             for tier in ("low",) if s.quick else s.tiers:
@@ -239,6 +233,35 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
         plan.notes.append("bench-verify, bench-prefetch: tiny models only (MODELS has none)")
     plan.add("figures", "figures", [py, "make_figures.py", "--results", str(s.results), "--figures", str(s.figures)])
     return plan
+
+
+def _cell_steps(plan: Plan, s: Settings, model: str, tier: str, ds: list[str], assets: list[str], trained: list[str],
+                quick: list[str], main, data: DatasetDecision, needs, sweep: tuple[str, ...]) -> None:
+    """One main-grid cell (model x tier): every in-process method in one experiment=cell step, measured
+    interleaved record by record (specter/harness/cell.py); an out-of-process engine keeps a step of its own."""
+    py = s.python
+    inside = [m for m in s.methods if m not in OUT_OF_PROCESS]
+    profiled = [m for m in inside if m in PROFILED]
+    per_record = len(data.ready) * main.num_prompts * main.repeats
+    if inside:
+        extra = [f"k_profile={_k_profile(s, model, tier)}"] if profiled else []
+        other_hw = {m: s.method_hardware(m) for m in inside if s.method_hardware(m) != s.hardware}
+        hw = [f"+cell.hardware.{m}={h}" for m, h in other_hw.items()]  # a typed dict takes new keys with +
+        out = s.results / "main" / f"{model}-{{method}}-{tier}"
+        plan.add("main", f"main-{model}-{tier}",
+                 [py, "run.py", "experiment=cell", f"model={model}", f"memory={tier}", f"hardware={s.hardware}",
+                  "cell.methods=[" + ",".join(inside) + "]", *hw, *ds, *trained, *quick, *assets, *extra,
+                  f"output_dir='{out}'"],
+                 needs=needs(*(sweep if profiled else ())),
+                 checks=tuple(Check("run", s.results / "main" / f"{model}-{m}-{tier}", data.ready) for m in inside),
+                 records=per_record * len(inside), units=len(inside), model=model, method=",".join(inside))
+    for method in (m for m in s.methods if m in OUT_OF_PROCESS):
+        out = s.results / "main" / f"{model}-{method}-{tier}"
+        plan.add("main", f"main-{model}-{tier}-{method}",
+                 [py, "run.py", "experiment=main", f"model={model}", f"memory={tier}", f"method={method}",
+                  f"hardware={s.method_hardware(method)}", *ds, *trained, *quick, *assets, f"output_dir={out}"],
+                 needs=needs(), checks=(Check("run", out, data.ready),), records=per_record, model=model,
+                 method=method)
 
 
 def _multirun_grid(plan: Plan, s: Settings, ds: list[str], assets: list[str], trained: dict[str, str],
