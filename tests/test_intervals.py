@@ -70,3 +70,26 @@ def test_a_ci_holding_one_is_reported_in_the_headline(tmp_path):
     kept = [table.loc[("tiny_dsv2", m), "speedup"] for m in ("offload_ar", "mo_sm", "target_only")]
     assert lossless == pytest.approx(np.mean(kept))  # moe_spec left out
     assert straddles_one(0.9, 1.1) and not straddles_one(1.01, 1.3)
+
+
+def test_drifted_records_are_left_out_of_the_figures_and_counted(tmp_path):
+    from specter.figures import tpot_grid
+    from specter.figures.common import Output
+    from specter.figures.data import ResultSet
+
+    run = tmp_path / "main" / "tiny_dsv2-offload_ar-low"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model:\n  name: tiny_dsv2\nmemory:\n  name: low\nmethod:\n  name: offload_ar\n"
+                                     "hardware:\n  name: emulated\n")
+    pd.DataFrame([{"method": "offload_ar", "model": "tiny_dsv2", "memory": "low", "dataset": "gsm8k",
+                   "prompt_index": i, "repeat": 0, "hardware": "emulated", "new_tokens": 4, "tpot_ms": t,
+                   "output_digest": "x", "load_ratio_off": off}
+                  for i, (t, off) in enumerate(((10.0, 0), (11.0, 0), (99.0, 1)))]).to_csv(run / "records.csv", index=False)
+    results = ResultSet(tmp_path)
+    assert results.drifted_count("main") == 1 and len(results.records("main")) == 2
+    (tmp_path / "figs").mkdir()
+    out = Output(tmp_path / "figs", dpi=40)
+    tpot_grid.build(results, out)
+    table = pd.read_csv(tmp_path / "figs" / "fig14_tpot.csv")
+    assert table["ci_high_ms"].max() <= 11.0  # the drifted 99 ms is not in any interval
+    assert "1 record(s) flagged for a drifted link" in (tmp_path / "figs" / "fig14_tpot.md").read_text()
