@@ -16,27 +16,29 @@ REFERENCE = "target_only"
 _PAIR = ["model", "memory", "dataset", "prompt_index", "repeat"]
 
 
-def token_match(records: pd.DataFrame) -> dict[str, float]:
-    """{variant: mean token match with target_only over its records}, for every variant it can be measured for."""
-    out: dict[str, float] = {}
-    if records.empty or "variant" not in records.columns:
+def token_match(records: pd.DataFrame, keys: tuple[str, ...] = ("variant",)) -> dict:
+    """{group: mean token match with target_only over its records}, grouped by `keys` (one key: the value
+    itself; several: a tuple), for every group it can be measured for."""
+    out: dict = {}
+    if records.empty or not set(keys) <= set(records.columns):
         return out
     ref = None
     if {"output_digest", *_PAIR} <= set(records.columns):
         base = records[records["method"] == REFERENCE].drop_duplicates(_PAIR)
         ref = base.set_index(_PAIR)["output_digest"] if not base.empty else None
-    for variant, g in records.groupby("variant", sort=False):
+    for group, g in records.groupby(list(keys), sort=False):
+        name = group[0] if len(keys) == 1 else tuple(group)
         if "token_match_fraction" in g.columns:
             frac = pd.to_numeric(g["token_match_fraction"], errors="coerce").dropna()
             if not frac.empty:
-                out[str(variant)] = float(frac.mean())
+                out[name] = float(frac.mean())
                 continue
         if ref is None or str(g["method"].iloc[0]) == REFERENCE:
             continue
         keyed = g.drop_duplicates(_PAIR).set_index(_PAIR)["output_digest"]
         common = keyed.index.intersection(ref.index)
         if len(common):
-            out[str(variant)] = float((keyed[common] == ref[common]).mean())
+            out[name] = float((keyed[common] == ref[common]).mean())
     return out
 
 
