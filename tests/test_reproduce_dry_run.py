@@ -131,12 +131,13 @@ def test_methods_and_paper_config(tmp_path):
     assert "datasets: gsm8k (GK) (not present: c4 (C4))" in out
     names = [n for n, _ in steps]
     assert not [n for n in names if "train-" in n]  # real models are not trained here
-    assert {n for n in names if n.startswith("full.main-")} == {
-        f"full.main-{m}-{t}" for m in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low")}
+    assert {n for n in names if n.startswith("full.main-")} == {  # real models: a step per method (GPU memory)
+        f"full.main-{m}-{t}-{k}" for m in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low")
+        for k in ("specter", "offload_ar")}
     assert [n for n in names if "k_sweep" in n] == [f"full.k_sweep-{m}-{t}" for m in ("dsv2", "qwen15moe", "phi35moe")
                                                      for t in ("high", "low")]
-    spec = dict(steps)["full.main-dsv2-low"]
-    assert "cell.methods=[specter,offload_ar]" in spec
+    spec = dict(steps)["full.main-dsv2-low-specter"]
+    assert "experiment=main" in spec
     assert "hardware=cuda" in spec and not [a for a in spec if a.startswith("model.trained")]
     assert not [a for a in spec if a.startswith(("num_prompts", "repeats"))]  # the full protocol of experiment=main
     assert "dataset=gsm8k" in spec and "dataset=gsm8k" in dict(steps)["full.batch-dsv2-specter"]

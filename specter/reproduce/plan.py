@@ -1,8 +1,9 @@
 """The steps of reproduce_all: each one's command, the steps it needs and the outputs that prove it ran.
 
 Order: check the datasets -> train the tiny models (once) -> K sweep per model and tier -> the main
-grid (one experiment=cell step per model x tier: its in-process methods interleaved record by record
-in one process; an out-of-process engine, vLLM, keeps a step per cell of its own) -> the staging ablation (every cache-owning method with
+grid (tiny models: one experiment=cell step per model x tier, its in-process methods interleaved record
+by record in one process; a real model's methods, and an out-of-process engine (vLLM), keep a step
+each) -> the staging ablation (every cache-owning method with
 method.staging_buffers=0; QUICK: the first model's low tier) -> batching -> planner trace ->
 benchmarks (draft kernel, verification schedule, prefetch ablation) -> make_figures.py.
 """
@@ -149,8 +150,22 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                          units=len(sweep.k_values), model=m, method="specter").name
         for m in s.models:
             for tier in s.tiers:
-                _cell_steps(plan, s, m, tier, ds, assets, trained_opt(m), quick_over(main, "main"), main, data,
-                            needs=lambda *more, m=m: needs(m, *more), sweep=sweep_of(m, tier))
+                # a tiny model's methods all fit one process: a cell; a real model's do not (each fills the tier's
+                # GPU budget), so each method keeps a step of its own there
+                inside = [x for x in s.methods if x not in OUT_OF_PROCESS] if is_tiny(m) else []
+                _cell_step(plan, s, m, tier, inside, ds, assets, trained_opt(m), quick_over(main, "main"), main,
+                           data, needs=lambda *more, m=m: needs(m, *more), sweep=sweep_of(m, tier))
+                for method in (x for x in s.methods if x not in inside):
+                    extra, more = [], ()
+                    if method in PROFILED:
+                        extra, more = [f"k_profile={_k_profile(s, m, tier)}"], sweep_of(m, tier)
+                    out = s.results / "main" / f"{m}-{method}-{tier}"
+                    plan.add("main", f"main-{m}-{tier}-{method}",
+                             [py, "run.py", "experiment=main", f"model={m}", f"memory={tier}", f"method={method}",
+                              f"hardware={s.method_hardware(method)}", *ds, *trained_opt(m),
+                              *quick_over(main, "main"), *assets, *extra, f"output_dir={out}"],
+                             needs=needs(m, *more), checks=(Check("run", out, data.ready),),
+                             records=n_ds * main.num_prompts * main.repeats, model=m, method=method)
         # the staging ablation: the same runs with method.staging_buffers=0 (QUICK: the first model's low tier)
         for m in s.models[:1] if s.quick else s.models:
             for tier in ("low",) if s.quick else s.tiers:
@@ -235,33 +250,25 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
     return plan
 
 
-def _cell_steps(plan: Plan, s: Settings, model: str, tier: str, ds: list[str], assets: list[str], trained: list[str],
-                quick: list[str], main, data: DatasetDecision, needs, sweep: tuple[str, ...]) -> None:
-    """One main-grid cell (model x tier): every in-process method in one experiment=cell step, measured
-    interleaved record by record (specter/harness/cell.py); an out-of-process engine keeps a step of its own."""
-    py = s.python
-    inside = [m for m in s.methods if m not in OUT_OF_PROCESS]
+def _cell_step(plan: Plan, s: Settings, model: str, tier: str, inside: list[str], ds: list[str], assets: list[str],
+               trained: list[str], quick: list[str], main, data: DatasetDecision, needs, sweep: tuple[str, ...]) -> None:
+    """One main-grid cell (model x tier): the methods `inside` in one experiment=cell step, measured
+    interleaved record by record in one process (specter/harness/cell.py)."""
+    if not inside:
+        return
     profiled = [m for m in inside if m in PROFILED]
-    per_record = len(data.ready) * main.num_prompts * main.repeats
-    if inside:
-        extra = [f"k_profile={_k_profile(s, model, tier)}"] if profiled else []
-        other_hw = {m: s.method_hardware(m) for m in inside if s.method_hardware(m) != s.hardware}
-        hw = [f"+cell.hardware.{m}={h}" for m, h in other_hw.items()]  # a typed dict takes new keys with +
-        out = s.results / "main" / f"{model}-{{method}}-{tier}"
-        plan.add("main", f"main-{model}-{tier}",
-                 [py, "run.py", "experiment=cell", f"model={model}", f"memory={tier}", f"hardware={s.hardware}",
-                  "cell.methods=[" + ",".join(inside) + "]", *hw, *ds, *trained, *quick, *assets, *extra,
-                  f"output_dir='{out}'"],
-                 needs=needs(*(sweep if profiled else ())),
-                 checks=tuple(Check("run", s.results / "main" / f"{model}-{m}-{tier}", data.ready) for m in inside),
-                 records=per_record * len(inside), units=len(inside), model=model, method=",".join(inside))
-    for method in (m for m in s.methods if m in OUT_OF_PROCESS):
-        out = s.results / "main" / f"{model}-{method}-{tier}"
-        plan.add("main", f"main-{model}-{tier}-{method}",
-                 [py, "run.py", "experiment=main", f"model={model}", f"memory={tier}", f"method={method}",
-                  f"hardware={s.method_hardware(method)}", *ds, *trained, *quick, *assets, f"output_dir={out}"],
-                 needs=needs(), checks=(Check("run", out, data.ready),), records=per_record, model=model,
-                 method=method)
+    extra = [f"k_profile={_k_profile(s, model, tier)}"] if profiled else []
+    other_hw = {m: s.method_hardware(m) for m in inside if s.method_hardware(m) != s.hardware}
+    hw = [f"+cell.hardware.{m}={h}" for m, h in other_hw.items()]  # a typed dict takes new keys with +
+    out = s.results / "main" / f"{model}-{{method}}-{tier}"
+    plan.add("main", f"main-{model}-{tier}",
+             [s.python, "run.py", "experiment=cell", f"model={model}", f"memory={tier}", f"hardware={s.hardware}",
+              "cell.methods=[" + ",".join(inside) + "]", *hw, *ds, *trained, *quick, *assets, *extra,
+              f"output_dir='{out}'"],
+             needs=needs(*(sweep if profiled else ())),
+             checks=tuple(Check("run", s.results / "main" / f"{model}-{m}-{tier}", data.ready) for m in inside),
+             records=len(data.ready) * main.num_prompts * main.repeats * len(inside), units=len(inside),
+             model=model, method=",".join(inside))
 
 
 def _multirun_grid(plan: Plan, s: Settings, ds: list[str], assets: list[str], trained: dict[str, str],
