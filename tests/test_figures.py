@@ -162,11 +162,12 @@ def test_tpot_grid_numbers(built):
     g = t.loc[("specter", "gsm8k")]
     assert g.mean_ms == pytest.approx(13.0) and g.median_ms == pytest.approx(13.0)
     assert g.p90_ms == pytest.approx(15.4)  # 14 + 0.7 * (16 - 14)
-    assert g.std_repeats_ms == pytest.approx(math.sqrt(8))  # repeat means 11 and 15
+    assert 10 <= g.ci_low_ms <= g.median_ms <= g.ci_high_ms <= 16  # bootstrap CI of the median, within the records
+    assert "std_repeats_ms" not in t.columns  # never the spread of repeat means
     assert g.records == 4 and g.repeats == 2
     avg = t.loc[("specter", "AVG")]
     assert avg.mean_ms == pytest.approx(16.5) and avg.datasets == 2  # mean of 13 and 20
-    assert avg.std_repeats_ms == pytest.approx(math.sqrt(2))  # per-repeat AVGs 15.5 and 17.5
+    assert avg.median_ms == pytest.approx(18.0) and avg.records == 8  # median over the cell's 8 records
     assert t.loc[("offload_ar", "AVG")].mean_ms == pytest.approx(28.0)
     assert list(t.reset_index()["dataset"].unique()) == ["gsm8k", "humaneval", "AVG"]  # paper order, AVG last
 
@@ -174,6 +175,9 @@ def test_tpot_grid_numbers(built):
 def test_headline_speedups(built):
     t = table(built[0], "table_headline_speedup").set_index(["model", "method"])
     o = t.loc[("tiny_dsv2", "offload_ar")]
+    # paired: 26/10, 26/12, 26/14, 26/16 on gsm8k and 30/20 four times on humaneval -> median (1.5 + 1.625) / 2
+    assert o.speedup == pytest.approx(1.5625) and o.pairs == 8 and o.ci_low <= 1.5625 <= o.ci_high
+    assert not o.ci_straddles_1
     assert o.speedup_avg == pytest.approx(28 / 16.5)
     assert o.mean_speedup == pytest.approx((26 / 13 + 30 / 20) / 2) and o.max_speedup == pytest.approx(2.0)
     assert o.max_at == "gsm8k"

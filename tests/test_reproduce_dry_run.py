@@ -84,19 +84,21 @@ def test_quick_plan(tmp_path):
     assert [n for n in names if "k_sweep" in n] == [f"quick.k_sweep-{m}-low" for m in TINY]  # QUICK: low tier only
     methods = default_methods()
     mains = {n for n in names if n.startswith("quick.main-")}
-    assert mains == {f"quick.main-{m}-{t}-{k}" for m in TINY for t in ("high", "low") for k in methods}
+    assert mains == {f"quick.main-{m}-{t}" for m in TINY for t in ("high", "low")}  # one cell per model x tier
     assert {"quick.bench-draft-kernel", "quick.bench-verify", "quick.bench-prefetch"} <= set(names)
     assert names[-1] == "quick.figures"
     cmds = dict(steps)
-    spec = cmds["quick.main-tiny_qwen-high-specter"]
+    spec = cmds["quick.main-tiny_qwen-high"]
     assert spec[:2] == ["python", "run.py"]
-    for arg in ("experiment=main", "model=tiny_qwen", "memory=high", "hardware=emulated", "model.trained=true",
+    for arg in ("experiment=cell", "model=tiny_qwen", "memory=high", "hardware=emulated", "model.trained=true",
                 "num_prompts=1", "repeats=1", "max_new_tokens=32", "dataset=all"):
         assert arg in spec
+    (listed,) = [a for a in spec if a.startswith("cell.methods=")]
+    assert set(listed.split("=", 1)[1].strip("[]").split(",")) == {m for m in methods if m != "vllm"}
     out = tmp_path / "out" / "results"
     assert f"k_profile={out}/k_sweep/tiny_qwen-low-emulated/k_profile.json" in spec
-    assert f"output_dir={out}/main/tiny_qwen-specter-high" in spec
-    assert "hardware=cpu" in cmds["quick.main-tiny_qwen-high-target_only"]  # moves no experts: nothing to emulate
+    assert f"output_dir='{out}/main/tiny_qwen-{{method}}-high'" in spec
+    assert "+cell.hardware.target_only=cpu" in spec  # moves no experts: nothing to emulate
     assert "k_sweep.values=[4,8,16]" in cmds["quick.k_sweep-tiny_dsv2-low"]
     assert cmds["quick.figures"][-4:] == ["--results", str(out), "--figures", str(tmp_path / "out" / "figures")]
     assert "--quick" in cmds["quick.bench-draft-kernel"]
@@ -129,12 +131,13 @@ def test_methods_and_paper_config(tmp_path):
     assert "datasets: gsm8k (GK) (not present: c4 (C4))" in out
     names = [n for n, _ in steps]
     assert not [n for n in names if "train-" in n]  # real models are not trained here
-    assert {n for n in names if n.startswith("full.main-")} == {
+    assert {n for n in names if n.startswith("full.main-")} == {  # real models: a step per method (GPU memory)
         f"full.main-{m}-{t}-{k}" for m in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low")
         for k in ("specter", "offload_ar")}
     assert [n for n in names if "k_sweep" in n] == [f"full.k_sweep-{m}-{t}" for m in ("dsv2", "qwen15moe", "phi35moe")
                                                      for t in ("high", "low")]
     spec = dict(steps)["full.main-dsv2-low-specter"]
+    assert "experiment=main" in spec
     assert "hardware=cuda" in spec and not [a for a in spec if a.startswith("model.trained")]
     assert not [a for a in spec if a.startswith(("num_prompts", "repeats"))]  # the full protocol of experiment=main
     assert "dataset=gsm8k" in spec and "dataset=gsm8k" in dict(steps)["full.batch-dsv2-specter"]
@@ -196,7 +199,7 @@ def test_narrowed_dataset_composes_and_validates(tmp_path):
     steps, _ = dry_run(tmp_path, QUICK="1", ASSETS=str(assets_with(tmp_path, "c4", "gsm8k")),
                        DATASET="c4,gsm8k,gpqa", MODELS="tiny_qwen", TIERS="high", METHODS="offload_ar")
     # (gpqa: not present, not bundled)
-    cmd = _runs(steps)["quick.main-tiny_qwen-high-offload_ar"]
+    cmd = _runs(steps)["quick.main-tiny_qwen-high"]
     cfg = compose(cmd[2:])
     assert expand_datasets(cfg.dataset.name) == ["c4", "gsm8k"]
     validate(cfg)
@@ -229,10 +232,11 @@ def test_failed_step_skips_its_dependents_only(tmp_path):
     dsv2 = [n for n in result if "tiny_dsv2" in n and n != "quick.train-tiny_dsv2"]
     assert dsv2 and all(skipped.get(n) == "skipped because quick.train-tiny_dsv2 failed" for n in dsv2)
     assert skipped["quick.bench-verify"] == "skipped because quick.train-tiny_dsv2 failed"
-    for n in ("quick.main-tiny_qwen-high-specter", "quick.main-tiny_qwen-low-specter", "quick.batch-tiny_qwen-specter",
+    # a cell holds specter beside the others: it waits for the K profile as a whole
+    for n in ("quick.main-tiny_qwen-high", "quick.main-tiny_qwen-low", "quick.batch-tiny_qwen-specter",
               "quick.trace-tiny_qwen"):
         assert skipped[n] == "skipped because quick.k_sweep-tiny_qwen-low failed", n
-    for n in ("quick.main-tiny_qwen-high-offload_ar", "quick.main-tiny_phi-low-specter", "quick.batch-tiny_qwen-mo_sm",
+    for n in ("quick.main-tiny_phi-low", "quick.batch-tiny_qwen-mo_sm",
               "quick.bench-draft-kernel", "quick.figures"):
         assert n not in skipped, n
     assert f"DRY_FAIL: {len(skipped)} step(s) would be skipped" in out
@@ -261,15 +265,22 @@ def test_moe_spec_shares_specters_k_profile(tmp_path, launcher):
         assert "method=specter,moe_spec" in spec and "method=offload_ar" in cmds["full.main-tiny-others"]
         assert any(a.startswith("k_profile=") and "${memory.name}" in a for a in spec)
     else:
+        from conftest import compose
+
+        from specter.harness.cell import method_config
+
         for tier in ("high", "low"):
             profile = f"k_profile={out}/k_sweep/tiny_qwen-{tier}-emulated/k_profile.json"
-            assert profile in cmds[f"full.main-tiny_qwen-{tier}-specter"]
-            assert profile in cmds[f"full.main-tiny_qwen-{tier}-moe_spec"]
-            assert not any(a.startswith("k_profile=") for a in cmds[f"full.main-tiny_qwen-{tier}-offload_ar"])
+            cell = cmds[f"full.main-tiny_qwen-{tier}"]
+            assert profile in cell
+            cfg = compose(cell[2:])  # the profile reaches specter and moe_spec only (cell.k_profile_methods)
+            assert method_config(cfg, "moe_spec").k_profile == profile.split("=", 1)[1]
+            assert method_config(cfg, "specter").k_profile == profile.split("=", 1)[1]
+            assert method_config(cfg, "offload_ar").k_profile is None
         failed = dict(dry_run(tmp_path, METHODS="specter moe_spec offload_ar", ASSETS=str(tmp_path / "many"),
                               DATASET="gsm8k", DRY_FAIL="full.k_sweep-tiny_qwen-low")[0])
-        assert failed["full.main-tiny_qwen-low-moe_spec"] == "skipped because full.k_sweep-tiny_qwen-low failed"
-        assert isinstance(failed["full.main-tiny_qwen-low-offload_ar"], list)
+        assert failed["full.main-tiny_qwen-low"] == "skipped because full.k_sweep-tiny_qwen-low failed"
+        assert isinstance(failed["full.main-tiny_qwen-high"], list)
 
 
 def test_bare_clone_runs_on_the_offline_bundle(tmp_path):
@@ -285,5 +296,5 @@ def test_bare_clone_runs_on_the_offline_bundle(tmp_path):
         assert f"{name} (" in line.split("(not present")[0], (name, line)
     from specter.reproduce.datasets import dataset_overrides
 
-    cmd = _runs(steps)["quick.main-tiny_qwen-high-offload_ar"]
+    cmd = _runs(steps)["quick.main-tiny_qwen-high"]
     assert [a for a in cmd if a.startswith("dataset")] == dataset_overrides(tuple(bundled))

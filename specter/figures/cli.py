@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
     print(f"results: {results_dir}{'' if args.results else ' (default)'}  ->  figures: {args.figures}")
     if not results_dir.is_dir():
         print(f"note: {results_dir} does not exist; every figure will be skipped")
+    warn_stale_code(results_dir, repo)
     args.figures.mkdir(parents=True, exist_ok=True)
     results = ResultSet(results_dir, args.paper)
     out = Output(args.figures, dpi=args.dpi)
@@ -119,3 +120,18 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
     (args.figures / "index.md").write_text("\n".join(index) + "\n")
     print(f"{len(out.written)} files in {args.figures}/ (index.md lists them)")
     return 1 if failed else 0
+
+
+def warn_stale_code(results_dir: Path, repo: Path) -> int:
+    """One warning per run folder whose specter/ or baselines/ tree is not HEAD's; how many."""
+    from specter.code_provenance import stale_folders
+
+    if not results_dir.is_dir():
+        return 0
+    stale = stale_folders(results_dir, repo)
+    for folder, why in stale:
+        print(f"warning: {folder}: {why}; its numbers may not be what this checkout measures")
+    if stale:
+        print(f"warning: {len(stale)} result folder(s) under {results_dir} were not measured by HEAD's code "
+              "(specter/, baselines/)")
+    return len(stale)

@@ -250,15 +250,25 @@ class ResultSet:
             records.loc[sel, "variant"] = variant_labels(records.loc[sel])
         return records.drop(columns="_method_cfg")
 
-    def records(self, source: str = "main") -> pd.DataFrame:
+    def records(self, source: str = "main", drifted: bool = False) -> pd.DataFrame:
         """Records of the main grid ('main'), traced runs ('trace'), side benchmarks ('bench'), batches
-        ('batch') or all ('all')."""
+        ('batch') or all ('all'). Records whose emulated link drifted off its load ratio
+        (`load_ratio_off`) are left out unless `drifted`; `drifted_count(source)` says how many."""
         df = self._all_records()
-        if df.empty or source == "all":
+        if df.empty:
             return df
-        if "batch_size" in df.columns:  # batched records belong to the batching figures
-            df = df[df["batch_size"].isna() | (df["batch_size"] <= 1)]
-        return df[df["source"] == source].reset_index(drop=True)
+        if source != "all":
+            if "batch_size" in df.columns:  # batched records belong to the batching figures
+                df = df[df["batch_size"].isna() | (df["batch_size"] <= 1)]
+            df = df[df["source"] == source]
+        if not drifted:
+            off = drifted_mask(df)
+            df = df[~off]
+        return df.reset_index(drop=True)
+
+    def drifted_count(self, source: str = "main") -> int:
+        """Records of `source` left out of the figures because their link drifted (`load_ratio_off`)."""
+        return int(drifted_mask(self.records(source, drifted=True)).sum())
 
     # ------------------------------------------------------------ other inputs
 
@@ -278,6 +288,20 @@ class ResultSet:
         return {"model": model, "memory": name("memory"), "method": name("method"), "hardware": name("hardware"),
                 "family": self.family(str(model), folder) if model else None,
                 "run": str(Path(folder).relative_to(self.root)) if Path(folder).is_relative_to(self.root) else str(folder)}
+
+
+def drifted_mask(records: pd.DataFrame) -> pd.Series:
+    """Records flagged for a drifted link: their effective load ratio was off the configured one by more
+    than hardware.load_ratio_tolerance (records.csv `load_ratio_off` = 1); their TPOT measured another link."""
+    if "load_ratio_off" not in records.columns:
+        return pd.Series(False, index=records.index)
+    return pd.to_numeric(records["load_ratio_off"], errors="coerce").fillna(0) > 0
+
+
+def drifted_note(count: int) -> str:
+    """The caption's count of left-out records."""
+    return f"{count} record(s) flagged for a drifted link (load_ratio_off) left out." if count else \
+        "No record flagged for a drifted link."
 
 
 def _schemas() -> dict[str, Any]:

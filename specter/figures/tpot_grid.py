@@ -1,13 +1,14 @@
 """Fig. 14: single-request TPOT, models × memory tiers × datasets (+AVG) × every method present.
 
-Statistics, per (model, tier, dataset, method):
-  mean    mean TPOT over records (what the paper plots and averages)
-  median, p90 over records
-  std_repeats  standard deviation across repeats of the per-repeat mean (the error bar);
-               empty with a single repeat
-AVG is the mean over the method's datasets of the per-dataset means (the paper's "average over
-five datasets"); its median/p90 are over all records, its error bar the std across repeats of the
-per-repeat AVG.
+Statistics, per (model, tier, dataset, method), over its records:
+  median_ms        median TPOT (the bar)
+  ci_low_ms, ci_high_ms  percentile-bootstrap 95 % CI of that median (the error bar; seeded, so
+                   the same records always give the same interval: specter.harness.paired)
+  mean_ms, p90_ms  mean (the paper's statistic, kept for the paper comparison) and p90
+AVG: the median and CI over all of the method's records in the cell (every dataset); its mean_ms is
+the mean of the per-dataset means (the paper's "average over datasets"). Records flagged for a
+drifted link (load_ratio_off) are left out and counted in the caption. A lossy method (its tokens
+differ from target_only's, specter.figures.lossy) carries its token match in the legend.
 
 One hardware per figure (`hardware_groups`): on a GPU every method shares one figure; on a CPU,
 fig14_tpot holds the methods that run on the emulated link (every offloading method), and the
@@ -23,10 +24,14 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from specter.figures.common import (grouped_bars, Output, Skip, dataset_label, legend_above, method_colors,
+from specter.figures.common import (Output, Skip, dataset_label, legend_above, method_colors,
     method_label, model_label, order_datasets, order_methods, order_models, order_tiers, percentile, style_axes,
     subplots)
-from specter.figures.data import ResultSet
+from specter.figures.data import ResultSet, drifted_note
+from specter.figures.lossy import lossy_label, token_match
+from specter.harness.paired import median_interval
+
+CI_SEED = 0  # the bootstrap's seed: the same records always draw the same intervals
 
 NAME = "fig14_tpot"
 TITLE = "Fig. 14: TPOT per model, memory tier, dataset and method"
@@ -47,15 +52,12 @@ def tpot_table(records: pd.DataFrame) -> pd.DataFrame:
         if "hardware" in records.columns else records.assign(hardware="unknown")
     rows = []
     for (model, memory, hardware, variant), g in records.groupby(KEYS, sort=False):
-        per_ds = {}
+        per_ds = []
         for dataset, d in g.groupby("dataset", sort=False):
-            per_repeat = d.groupby("repeat")["tpot_ms"].mean()
-            per_ds[dataset] = per_repeat
-            rows.append(_row(model, memory, hardware, variant, dataset, d["tpot_ms"], per_repeat, 1))
-        means = pd.DataFrame(per_ds)  # [repeat, dataset] per-repeat means
-        per_repeat_avg = means.mean(axis=1)  # AVG of each repeat over the datasets it holds
-        row = _row(model, memory, hardware, variant, "AVG", g["tpot_ms"], per_repeat_avg, len(per_ds))
-        row["mean_ms"] = float(np.mean([r["mean_ms"] for r in rows[-len(per_ds):]]))
+            per_ds.append(_row(model, memory, hardware, variant, dataset, d, 1))
+        rows += per_ds
+        row = _row(model, memory, hardware, variant, "AVG", g, len(per_ds))
+        row["mean_ms"] = float(np.mean([r["mean_ms"] for r in per_ds]))
         rows.append(row)
     table = pd.DataFrame(rows)
     table["_m"] = table["model"].map({m: i for i, m in enumerate(order_models(table["model"]))})
@@ -86,12 +88,14 @@ def hardware_groups(hardware) -> list[tuple[str, list[str]]]:
     return [(NAME if i == 0 else f"{NAME}_{h}", [h]) for i, h in enumerate(ordered)]
 
 
-def _row(model, memory, hardware, variant, dataset, tpot: pd.Series, per_repeat: pd.Series, datasets: int) -> dict:
+def _row(model, memory, hardware, variant, dataset, records: pd.DataFrame, datasets: int) -> dict:
+    tpot = records["tpot_ms"].dropna()
+    ci = median_interval(tpot.to_numpy(), seed=CI_SEED)
     return {
         "model": model, "memory": memory, "hardware": hardware, "dataset": dataset, "method": variant,
-        "mean_ms": float(tpot.mean()), "median_ms": float(tpot.median()), "p90_ms": percentile(tpot, 90),
-        "std_repeats_ms": float(per_repeat.std(ddof=1)) if len(per_repeat) > 1 else float("nan"),
-        "records": int(tpot.notna().sum()), "repeats": len(per_repeat), "datasets": datasets,
+        "median_ms": ci.median, "ci_low_ms": ci.low, "ci_high_ms": ci.high,
+        "mean_ms": float(tpot.mean()), "p90_ms": percentile(tpot, 90),
+        "records": int(len(tpot)), "repeats": int(records["repeat"].nunique()), "datasets": datasets,
     }
 
 
@@ -101,14 +105,17 @@ def build(results: ResultSet, out: Output) -> None:
         raise Skip("no records.csv (outside K-sweep, bench, batch and trace folders)")
     records = records.dropna(subset=["tpot_ms"])
     table = tpot_table(records)
+    match = token_match(records)
+    drifted = results.drifted_count("main")
     for name, hardware in hardware_groups(table["hardware"]):
         sub = table[table["hardware"].isin(hardware)].reset_index(drop=True)
         what = HARDWARE_TITLES.get(hardware[0], f"hardware={hardware[0]}")
         out.table(sub, name, f"{TITLE}: {what}", notes=[
-            "TPOT in ms/token; mean over records (plotted), median and p90 over records; error bar = std across "
-            "repeats of the per-repeat mean. AVG = mean of the per-dataset means. "
+            "TPOT in ms/token; bar = median over records, error bar = its bootstrap 95 % CI (seeded); mean and "
+            "p90 over records beside it. AVG = median and CI over every record of the cell (its mean_ms: the mean "
+            f"of the per-dataset means). {drifted_note(drifted)} "
             f"Hardware: {', '.join(hardware)} (one hardware per figure; see the module docstring)."])
-        draw(sub, out, name, what)
+        draw(sub, out, name, f"{what}; {drifted_note(drifted)}", match)
     traced = traced_table(results, table)
     if not traced.empty:
         out.table(traced, NAME_TRACED, "Traced runs (method.trace_windows) beside the untraced run", notes=[
@@ -133,7 +140,8 @@ def traced_table(results: ResultSet, main: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def draw(table: pd.DataFrame, out: Output, name: str = NAME, what: str = "") -> None:
+def draw(table: pd.DataFrame, out: Output, name: str = NAME, what: str = "",
+         match: dict[str, float] | None = None) -> None:
     models, tiers = order_models(table["model"]), order_tiers(table["memory"])
     variants = order_methods(table["method"])
     colors = method_colors(variants)
@@ -147,17 +155,30 @@ def draw(table: pd.DataFrame, out: Output, name: str = NAME, what: str = "") -> 
                 continue
             datasets = order_datasets(sub["dataset"])
             present = [v for v in variants if v in set(sub["method"])]
-            grouped_bars(ax, datasets, present, sub, by="method", index="dataset", value="mean_ms",
-                         colors=colors, error="std_repeats_ms")
+            interval_bars(ax, datasets, present, sub, colors)
             ax.set_xticks(range(len(datasets)), [dataset_label(d) for d in datasets])
             if "AVG" in datasets:
                 ax.axvline(len(datasets) - 1.5, color="#999999", lw=0.6, ls=":")
             # two short lines: a long one-line title runs into the next panel's
-            style_axes(ax, f"{model_label(model)}\n{tier} memory", ylabel="TPOT (ms/token)" if c == 0 else None)
+            style_axes(ax, f"{model_label(model)}\n{tier} memory", ylabel="median TPOT (ms/token)" if c == 0 else None)
             ax.title.set_fontsize(9)
     handles = [Patch(color=colors[v]) for v in variants]
-    legend_above(fig, handles, [method_label(v) for v in variants])
+    legend_above(fig, handles, [lossy_label(method_label(v), (match or {}).get(v)) for v in variants])
     fig.tight_layout()
     if what:  # a caption below the panels: the legend holds the space above them
         fig.text(0.5, 0.0, what, ha="center", va="top", fontsize=9, style="italic")
     out.figure(fig, name)
+
+
+def interval_bars(ax, datasets: list[str], variants: list[str], table: pd.DataFrame, colors: dict[str, str]) -> None:
+    """One bar per (dataset, method) at the median, its error bar the CI (asymmetric)."""
+    width = 0.8 / max(1, len(variants))
+    for i, name in enumerate(variants):
+        rows = table[table["method"] == name].set_index("dataset")
+        present = [d for d in datasets if d in rows.index]
+        xs = [j + (i - (len(variants) - 1) / 2) * width for j, d in enumerate(datasets) if d in rows.index]
+        med = rows.loc[present, "median_ms"].to_numpy(dtype=float)
+        err = np.vstack([med - rows.loc[present, "ci_low_ms"].to_numpy(dtype=float),
+                         rows.loc[present, "ci_high_ms"].to_numpy(dtype=float) - med])  # [2, n]
+        ax.bar(xs, med, width=width, color=colors[name], yerr=np.clip(err, 0, None), capsize=1.5,
+               error_kw={"elinewidth": 0.6, "ecolor": "#333333"})

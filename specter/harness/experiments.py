@@ -29,6 +29,7 @@ EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {
     "plan": _lazy("specter.harness.plan", "run_plan"),
     "load_ratio_sweep": _lazy("specter.harness.load_ratio_sweep", "load_ratio_sweep"),
     "project": _lazy("specter.harness.project", "run_project"),
+    "cell": _lazy("specter.harness.cell", "run_cell"),
 }
 
 

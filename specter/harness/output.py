@@ -32,6 +32,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from specter.code_provenance import code_state, merged_states
 from specter.harness.config import ConfigError
 from specter.harness.records import parse_records, text_digest
 from specter.paths import atomic_write_text, read_json_object
@@ -295,6 +296,7 @@ def run_folder(cfg: DictConfig, provenance: dict[str, Any] | None = None,
             atomic_write_text(out / "config.yaml", text)
             provenance["config_sha256"] = hashlib.sha256(text.encode()).hexdigest()  # what resuming checks
             previous = read_provenance(out)
+            provenance["code"] = merged_states(previous.get("code"), code_state())  # commit and code trees
             atomic_write_text(out / PROVENANCE_NAME, json.dumps({**previous, **provenance}, indent=1, sort_keys=True))
         except OSError as err:
             raise _os_error(out, err) from None

@@ -55,16 +55,76 @@ def paired_ratio(base: Sequence[float], other: Sequence[float], *, confidence: f
     if len(b) == 0:
         raise ValueError("no pairs")
     ratios = b / o  # [n]
-    median = float(np.median(ratios))
-    n = len(ratios)
-    if n < 2:
-        return PairedRatio(median, median, median, n)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(resamples, n))  # [resamples, n]
-    medians = np.median(ratios[idx], axis=1)  # [resamples]
+    ci = median_interval(ratios, confidence=confidence, resamples=resamples, seed=seed)
+    return PairedRatio(ci.median, ci.low, ci.high, ci.n)
+
+
+@dataclass(frozen=True)
+class MedianInterval:
+    median: float  # median of the values
+    low: float  # percentile-bootstrap confidence interval of that median
+    high: float
+    n: int  # values
+
+
+def bootstrap_indices(n: int, resamples: int, seed: int) -> np.ndarray:
+    """The resampled positions of every bootstrap draw: [resamples, n], from default_rng(seed)."""
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def median_interval(values: Sequence[float], *, confidence: float = 0.95, resamples: int = 2000,
+                    seed: int = 0) -> MedianInterval:
+    """Median of `values` and a percentile-bootstrap CI of it (deterministic for a seed; fewer than 2
+    values: the interval is the median itself). Vectorized; `median_interval_reference` is the same
+    computation in plain Python."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be at least 1, got {resamples}")
+    v = np.asarray(values, dtype=float)
+    if v.ndim != 1 or len(v) == 0:
+        raise ValueError(f"expected a non-empty flat sequence of numbers, got shape {v.shape}")
+    if not np.isfinite(v).all():
+        raise ValueError(f"non-finite value at index {int(np.flatnonzero(~np.isfinite(v))[0])}")
+    median = float(np.median(v))
+    if len(v) < 2:
+        return MedianInterval(median, median, median, len(v))
+    medians = np.median(v[bootstrap_indices(len(v), resamples, seed)], axis=1)  # [resamples]
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(medians, [tail, 100 - tail])
-    return PairedRatio(median, float(low), float(high), n)
+    return MedianInterval(median, float(low), float(high), len(v))
+
+
+def _median_py(values: list[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def _percentile_py(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default method)."""
+    s = sorted(values)
+    pos = q / 100 * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def median_interval_reference(values: Sequence[float], *, confidence: float = 0.95, resamples: int = 2000,
+                              seed: int = 0) -> MedianInterval:
+    """`median_interval` one resample at a time in plain Python, on the same resampled positions."""
+    values = [float(x) for x in values]
+    median = _median_py(values)
+    if len(values) < 2:
+        return MedianInterval(median, median, median, len(values))
+    medians = [_median_py([values[i] for i in row]) for row in bootstrap_indices(len(values), resamples, seed).tolist()]
+    tail = (1 - confidence) / 2 * 100
+    return MedianInterval(median, _percentile_py(medians, tail), _percentile_py(medians, 100 - tail), len(values))
+
+
+def straddles_one(low: float, high: float) -> bool:
+    """A ratio's interval that holds 1: the data do not tell which side is faster."""
+    return low <= 1.0 <= high
 
 
 def paired_ratio_median_reference(base: Sequence[float], other: Sequence[float]) -> float:

@@ -49,6 +49,8 @@ COLUMNS = (
     "lossless_check", "prompt_sha256", "output_digest", "seed",
     # the emulated link as it ran (offload.calibrate.RATIO_COLUMNS)
     "load_ratio", "effective_load_ratio", "layer_step_ms", "expert_load_ms", "load_ratio_off",
+    # when it ran (unix seconds) and its place in a cell's round of interleaved methods (empty outside a cell)
+    "started_at", "finished_at", "slot",
 )
 TEXT_COLUMNS = frozenset({"method", "model", "memory", "dataset", "hardware", "schedule", "prefetch", "draft_quant",
                           "decode_path", "budget_mode", "lossless_check", "prompt_sha256", "output_digest"})
@@ -82,11 +84,11 @@ NON_NEGATIVE = ("K", "resident_experts", "batch_size", "prefix_tokens", "tpot_ms
                 "copy_wait_ms", "dropped_prefetches", "oracle_h2d_bytes", "expert_budget", "first_divergence",
                 "target_nll", "peak_memory_bytes", "staging_buffers", "footprint_bytes", "budget_bytes", "slot_bytes",
                 "staging_bytes", "draft_bytes", "seed", "load_ratio", "effective_load_ratio", "layer_step_ms",
-                "expert_load_ms", "window_experts", "window_experts_vs_independent")
+                "expert_load_ms", "window_experts", "window_experts_vs_independent", "started_at", "finished_at", "slot")
 FRACTIONS = ("accepted_fraction", "acceptance_alpha", "hit_rate", "overlap_fraction", "prefetch_precision",
              "prefetch_recall", "token_match_fraction")
 # (part, whole): a count can never exceed the total it is a part of
-PARTS = (("accepted_tokens", "drafted_tokens"),)
+PARTS = (("accepted_tokens", "drafted_tokens"), ("started_at", "finished_at"))
 
 
 def _number(values: dict[str, str], column: str) -> float | None:
@@ -128,7 +130,7 @@ def _record_rules(values: dict[str, str]) -> str | None:
     return None
 
 
-SCHEMA = Schema("records", COLUMNS, KEY_COLUMNS, text=TEXT_COLUMNS, integers=frozenset({"prompt_index", "repeat"}),
+SCHEMA = Schema("records", COLUMNS, KEY_COLUMNS, text=TEXT_COLUMNS, integers=frozenset({"prompt_index", "repeat", "slot"}),
                 required=REQUIRED_COLUMNS, check=_record_rules, noun="record")
 
 

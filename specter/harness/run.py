@@ -10,6 +10,7 @@ record, each from a cache reset and a per-record seed.
 from __future__ import annotations
 
 import hashlib
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,28 +105,113 @@ def model_routing(checkpoint: Path) -> dict[str, Any] | None:
 
 def run(cfg: DictConfig) -> Path:
     prep = prepare(cfg, cfg.num_prompts)  # first N, fixed
-    datasets, prompt_sets, checkpoint, prompt_ids = prep.datasets, prep.prompt_sets, prep.checkpoint, prep.prompt_ids
-    prompts = {ds: ps.texts for ds, ps in prompt_sets.items()}
-    with run_folder(cfg, provenance_of(prompt_sets), prompts=prompts) as out:
-        writer = RecordWriter(out / "records.csv")
-        base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
-        _check_finished_prompts(out, writer, base, prompts)
-        side = SideTables(out)
-        repair_side_tables(out, writer, base, side)
-        todo = [
-            (ds, i, r)
-            for ds in datasets
-            for i in range(len(prompts[ds]))
-            for r in range(cfg.repeats)
-            if not writer.is_done(tuple(str(v) for v in (*base.values(), ds, i, r)))
-        ]
-        if todo:
-            _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo, side)
+    with run_folder(cfg, provenance_of(prep.prompt_sets), prompts=prompt_texts(prep)) as out:
+        session = MethodSession(cfg, prep, out)
+        if session.todo:
+            try:
+                session.start()
+                for key in list(session.todo):
+                    session.measure(*key)
+            finally:
+                session.close()
         else:
             print(f"{out}: every record is already finished; nothing to run (records are never overwritten).")
         summary = write_summary(out)
     print_summary(summary, title=f"{out}/summary.csv")
     return out
+
+
+def prompt_texts(prep: Prepared) -> dict[str, list[str]]:
+    return {ds: ps.texts for ds, ps in prep.prompt_sets.items()}
+
+
+def record_keys(cfg: DictConfig, prep: Prepared) -> list[tuple[str, int, int]]:
+    """Every (dataset, prompt_index, repeat) the protocol measures, in the order they run."""
+    return [(ds, i, r) for ds in prep.datasets for i in range(len(prep.prompt_sets[ds].texts))
+            for r in range(cfg.repeats)]
+
+
+class MethodSession:
+    """One method measured into its own run folder, one record at a time.
+
+    Opening (the constructor) checks the folder's finished records and side tables and lists the
+    records still missing (`todo`); `start` builds the method, warms it up outside timing and
+    calibrates the link; `measure` times one record (from a cache reset and its per-record seed) and
+    appends it; `close` frees the method. `run` drives one session through its records; a cell
+    (specter/harness/cell.py) drives several, interleaved record by record.
+    """
+
+    def __init__(self, cfg: DictConfig, prep: Prepared, out: Path):
+        self.cfg, self.prep, self.out = cfg, prep, out
+        self.prompts = prompt_texts(prep)
+        self.writer = RecordWriter(out / "records.csv")
+        self.base = {"method": cfg.method.name, "model": cfg.model.name, "memory": cfg.memory.name}
+        _check_finished_prompts(out, self.writer, self.base, self.prompts)
+        self.side = SideTables(out)
+        repair_side_tables(out, self.writer, self.base, self.side)
+        self.todo = [k for k in record_keys(cfg, prep) if not self.is_done(k)]
+        self.method: Method | None = None
+        self.progress = None
+
+    def is_done(self, key: tuple[str, int, int]) -> bool:
+        return self.writer.is_done(tuple(str(v) for v in (*self.base.values(), *key)))
+
+    def _encode(self, ds: str, i: int) -> torch.Tensor:
+        return torch.tensor([self.prep.prompt_ids[ds][i]], device=self.method.device)  # [1, P]
+
+    def start(self) -> None:
+        """Build, warm up (outside timing: kernels, allocator, caches), calibrate the link, write env.json."""
+        from specter.models.registry import checkpoint_digest
+
+        cfg, checkpoint = self.cfg, self.prep.checkpoint
+        if cfg.hardware.get("threads"):
+            torch.set_num_threads(int(cfg.hardware.threads))
+        digest = checkpoint_digest(checkpoint)
+        check_weights(self.out, digest, self.writer.finished)
+        self.method = method = build_method(cfg, checkpoint)
+        if cfg.warmup_tokens > 0:
+            first_ds = self.todo[0][0] if self.todo else self.prep.datasets[0]
+            method.generate(self._encode(first_ds, 0), cfg.warmup_tokens, make_generator(method.device, 0))
+            method.warmed()
+        step_s = calibrate_after_warmup(cfg, checkpoint, method)  # the link as the records will run it
+        write_environment(self.out, environment_of(method, checkpoint, digest, rejected_rows=len(self.writer.rejected),
+                                                   method_config=OmegaConf.to_container(cfg.method, resolve=True)))
+        self.ratios = run_load_ratios(cfg, checkpoint, method, step_s)  # each record's effective load ratio
+        self.static = {"hardware": cfg.hardware.name, "prefix_tokens": cfg.prefix_tokens, **method.static_fields()}
+        self.progress = tqdm(total=len(self.todo), desc=f"{cfg.method.name}/{cfg.model.name}",
+                             disable=not cfg.progress, unit="rec")
+
+    def measure(self, ds: str, i: int, r: int, slot: int | None = None) -> dict[str, Any]:
+        """Time one record and append it (its side-table blocks first); `slot`: its place in a cell's round."""
+        cfg, method = self.cfg, self.method
+        ids = self._encode(ds, i)
+        seed = record_seed(cfg.seed, ds, i, r)
+        method.reset()  # outside timing
+        started = time.time()
+        gen = method.generate(ids, cfg.max_new_tokens, make_generator(method.device, seed))
+        finished = time.time()
+        row = {
+            **self.base, "dataset": ds, "prompt_index": i, "repeat": r, **self.static,
+            "prefix_tokens": ids.shape[1], "new_tokens": len(gen.tokens),
+            **gen.clock.latency(), **gen.stats,
+            "prompt_sha256": text_digest(self.prompts[ds][i]),
+            "output_digest": token_digest(gen.tokens), "seed": seed,
+            **self.ratios.columns(f"{cfg.method.name}/{cfg.model.name} {ds} prompt {i} repeat {r}"),
+            "started_at": started, "finished_at": finished, "slot": slot,
+        }
+        self.side.append({"dataset": ds, "prompt_index": i, "repeat": r}, gen.artifacts)  # before its record
+        self.writer.append(row)
+        self.todo.remove((ds, i, r))
+        self.progress.update(1)
+        return row
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        if self.method is not None:
+            self.method.close()
+            self.method = None
 
 
 def tokenize_prompts(cfg: DictConfig, checkpoint: Path, prompt_sets: dict[str, PromptSet]) -> dict[str, list[list[int]]]:
@@ -171,45 +257,3 @@ def repair_side_tables(out: Path, writer: RecordWriter, base: dict, side: SideTa
         unfinished = {k for k in store.keys if record_key(k) not in writer.done}
         if unfinished:
             store.set_aside_keys(unfinished, "the block of a record that never finished (measured again)")
-
-
-def _measure(cfg, out, writer, base, prompts, prompt_ids, checkpoint, todo, side) -> None:
-    from specter.models.registry import checkpoint_digest
-
-    if cfg.hardware.get("threads"):
-        torch.set_num_threads(int(cfg.hardware.threads))
-    digest = checkpoint_digest(checkpoint)
-    check_weights(out, digest, writer.finished)
-    method = build_method(cfg, checkpoint)
-    try:
-        device = method.device
-
-        def encode(ds: str, i: int) -> torch.Tensor:
-            return torch.tensor([prompt_ids[ds][i]], device=device)  # [1, P]
-
-        if cfg.warmup_tokens > 0:  # outside timing: kernels, allocator, caches
-            first_ds = todo[0][0]
-            method.generate(encode(first_ds, 0), cfg.warmup_tokens, make_generator(device, 0))
-            method.warmed()
-        step_s = calibrate_after_warmup(cfg, checkpoint, method)  # the link as the records will run it
-        write_environment(out, environment_of(method, checkpoint, digest, rejected_rows=len(writer.rejected),
-                                              method_config=OmegaConf.to_container(cfg.method, resolve=True)))
-        ratios = run_load_ratios(cfg, checkpoint, method, step_s)  # each record's effective load ratio (load_ratio.py)
-        static = {"hardware": cfg.hardware.name, "prefix_tokens": cfg.prefix_tokens, **method.static_fields()}
-        for ds, i, r in tqdm(todo, desc=f"{cfg.method.name}/{cfg.model.name}", disable=not cfg.progress, unit="rec"):
-            ids = encode(ds, i)
-            seed = record_seed(cfg.seed, ds, i, r)
-            method.reset()  # outside timing
-            gen = method.generate(ids, cfg.max_new_tokens, make_generator(device, seed))
-            row = {
-                **base, "dataset": ds, "prompt_index": i, "repeat": r, **static,
-                "prefix_tokens": ids.shape[1], "new_tokens": len(gen.tokens),
-                **gen.clock.latency(), **gen.stats,
-                "prompt_sha256": text_digest(prompts[ds][i]),
-                "output_digest": token_digest(gen.tokens), "seed": seed,
-                **ratios.columns(f"{cfg.method.name}/{cfg.model.name} {ds} prompt {i} repeat {r}"),
-            }
-            side.append({"dataset": ds, "prompt_index": i, "repeat": r}, gen.artifacts)  # before its record
-            writer.append(row)
-    finally:
-        method.close()

@@ -139,6 +139,17 @@ class ProjectConfig:
 
 
 @dataclass
+class CellConfig:
+    """experiment=cell: the methods of one (model, memory tier) cell, measured in one process and
+    interleaved record by record (specter/harness/cell.py); each writes its own run folder."""
+
+    methods: list[str] = field(default_factory=list)
+    hardware: dict[str, str] = field(default_factory=dict)  # method -> hardware option (default: the cell's)
+    k_profile_methods: list[str] = field(default_factory=lambda: ["specter", "moe_spec"])  # the ones k_profile applies to
+    method_overrides: dict[str, Any] = field(default_factory=dict)  # method -> {key: value} on its method group
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     memory: MemoryConfig = MISSING
@@ -169,6 +180,7 @@ class RunConfig:
     compare: dict[str, Any] = field(default_factory=dict)  # experiment=compare settings
     load_ratio_sweep: LoadRatioSweepConfig = field(default_factory=LoadRatioSweepConfig)  # experiment=load_ratio_sweep
     project: ProjectConfig = field(default_factory=ProjectConfig)  # experiment=project
+    cell: CellConfig = field(default_factory=CellConfig)  # experiment=cell
 
 
 METHOD_SCHEMAS: dict[str, type] = {

@@ -34,7 +34,7 @@ COSTS: dict[str, Cost] = {
     "datasets": Cost(5.0, 0.0),
     "train": Cost(180.0, 0.0),        # initialization/train_tiny.py: "about 3 CPU minutes each"
     "k_sweep": Cost(11.0, 1.2, 2.0),
-    "main": Cost(11.0, 0.9),
+    "main": Cost(11.0, 0.9, 9.0),     # one cell per model x tier: each method's load, warm-up, link calibration
     "ablation": Cost(11.0, 0.9),      # main-grid runs with method.staging_buffers=0
     "batch": Cost(11.0, 0.7, 1.0),
     "trace": Cost(11.0, 0.5),

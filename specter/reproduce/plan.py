@@ -1,7 +1,9 @@
 """The steps of reproduce_all: each one's command, the steps it needs and the outputs that prove it ran.
 
 Order: check the datasets -> train the tiny models (once) -> K sweep per model and tier -> the main
-grid (models x tiers x methods) -> the staging ablation (every cache-owning method with
+grid (tiny models: one experiment=cell step per model x tier, its in-process methods interleaved record
+by record in one process; a real model's methods, and an out-of-process engine (vLLM), keep a step
+each) -> the staging ablation (every cache-owning method with
 method.staging_buffers=0; QUICK: the first model's low tier) -> batching -> planner trace ->
 benchmarks (draft kernel, verification schedule, prefetch ablation) -> make_figures.py.
 """
@@ -73,6 +75,8 @@ class Plan:
 
 # methods that run with the tier's profiled K: Specter, and MoE-Spec (verification-time budgeting on Specter)
 PROFILED = ("specter", "moe_spec")
+# engines that run in a process of their own (a server): they cannot share a cell's process
+OUT_OF_PROCESS = ("vllm",)
 # methods that own an expert cache: staging buffers by one rule, ablated together (method.staging_buffers=0)
 CACHE_OWNING = ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "specter", "moe_spec")
 
@@ -146,7 +150,12 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                          units=len(sweep.k_values), model=m, method="specter").name
         for m in s.models:
             for tier in s.tiers:
-                for method in s.methods:
+                # a tiny model's methods all fit one process: a cell; a real model's do not (each fills the tier's
+                # GPU budget), so each method keeps a step of its own there
+                inside = [x for x in s.methods if x not in OUT_OF_PROCESS] if is_tiny(m) else []
+                _cell_step(plan, s, m, tier, inside, ds, assets, trained_opt(m), quick_over(main, "main"), main,
+                           data, needs=lambda *more, m=m: needs(m, *more), sweep=sweep_of(m, tier))
+                for method in (x for x in s.methods if x not in inside):
                     extra, more = [], ()
                     if method in PROFILED:
                         extra, more = [f"k_profile={_k_profile(s, m, tier)}"], sweep_of(m, tier)
@@ -239,6 +248,27 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
         plan.notes.append("bench-verify, bench-prefetch: tiny models only (MODELS has none)")
     plan.add("figures", "figures", [py, "make_figures.py", "--results", str(s.results), "--figures", str(s.figures)])
     return plan
+
+
+def _cell_step(plan: Plan, s: Settings, model: str, tier: str, inside: list[str], ds: list[str], assets: list[str],
+               trained: list[str], quick: list[str], main, data: DatasetDecision, needs, sweep: tuple[str, ...]) -> None:
+    """One main-grid cell (model x tier): the methods `inside` in one experiment=cell step, measured
+    interleaved record by record in one process (specter/harness/cell.py)."""
+    if not inside:
+        return
+    profiled = [m for m in inside if m in PROFILED]
+    extra = [f"k_profile={_k_profile(s, model, tier)}"] if profiled else []
+    other_hw = {m: s.method_hardware(m) for m in inside if s.method_hardware(m) != s.hardware}
+    hw = [f"+cell.hardware.{m}={h}" for m, h in other_hw.items()]  # a typed dict takes new keys with +
+    out = s.results / "main" / f"{model}-{{method}}-{tier}"
+    plan.add("main", f"main-{model}-{tier}",
+             [s.python, "run.py", "experiment=cell", f"model={model}", f"memory={tier}", f"hardware={s.hardware}",
+              "cell.methods=[" + ",".join(inside) + "]", *hw, *ds, *trained, *quick, *assets, *extra,
+              f"output_dir='{out}'"],
+             needs=needs(*(sweep if profiled else ())),
+             checks=tuple(Check("run", s.results / "main" / f"{model}-{m}-{tier}", data.ready) for m in inside),
+             records=len(data.ready) * main.num_prompts * main.repeats * len(inside), units=len(inside),
+             model=model, method=",".join(inside))
 
 
 def _multirun_grid(plan: Plan, s: Settings, ds: list[str], assets: list[str], trained: dict[str, str],
