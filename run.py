@@ -4,6 +4,7 @@
     python run.py model=dsv2 memory=low               # Specter on DeepSeek-V2-Lite (GPU when visible)
     python run.py model=tiny_dsv2 method=specter memory=low dataset=gsm8k num_prompts=2
     python run.py experiment=main model=tiny_phi method=offload_ar hardware=emulated
+    python run.py experiment=cell model=tiny_phi memory=low cell.methods=[offload_ar,specter]  # interleaved
     python run.py --help                              # every group and option
     python run.py -m model=tiny_qwen,tiny_dsv2 ...    # a Hydra multirun (sweeps, launchers)
 
