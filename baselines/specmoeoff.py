@@ -35,7 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.compose import CONF_DIR
-from specter.harness.config import ConfigError, _profiled_K
+from specter.harness.config import ConfigError, profiled_k_of
 from specter.harness.methods import Specter
 from specter.harness.runtime import final_runtime, staging_for
 from specter.models.loading import non_expert_bytes
@@ -56,6 +56,7 @@ class SpecMoEOffSpec(MethodSpec):
     K_source: str = ""  # where K came from: the K= override, a K profile, or the fixed default
     preset_residents: int = 0  # artifact: method.residents at this tier, slots per layer of the real model
     real_experts: int = 0  # artifact: routed experts of the real model the preset counts
+    resident_cap: int = 0  # memory.resident_experts when given: at most this many residents (0: no cap)
 
 
 class RouteFrequencyPlanner(PrefetchPlanner):
@@ -134,7 +135,7 @@ def fitting_residents(budget: int, fixed: int, per_request: int, slot_row: int, 
 
 def profiled_K(cfg: DictConfig) -> int:
     """The K of `k_profile=`, which must be a profile SpecMoEOff measured (its own range, its own draft)."""
-    K = _profiled_K(cfg)  # exists, parses, same model, a usable K
+    K = profiled_k_of(cfg)  # exists, parses, same model, a usable K
     method = json.loads(Path(cfg.k_profile).read_text()).get("method", "specter")  # older profiles: Specter's
     if method != cfg.method.name:
         raise ConfigError(f"k_profile={cfg.k_profile} was measured for method={method}, not {cfg.method.name}; "
@@ -158,8 +159,10 @@ class SpecMoEOff(Specter):
         return int(cfg.method.K), "default method.K (no K profile given)"
 
     def preset_fields(self, cfg: DictConfig) -> dict[str, Any]:
-        """Spec fields of a resident preset (none: the design spends the budget)."""
-        return {}
+        """Spec fields of a resident preset: none, the design spends the budget (an explicit
+        memory.resident_experts caps it, so a run can hold another machine's M)."""
+        cap = cfg.memory.get("resident_experts")
+        return {} if cap is None else {"resident_cap": int(cap)}
 
     def make_spec(self, cfg: DictConfig) -> MethodSpec:
         m = cfg.method
@@ -180,9 +183,12 @@ class SpecMoEOff(Specter):
         return self.spec.batch_sizes
 
     def target_residents(self, fit: ResidentFit) -> dict[str, Any]:
-        """env.json's `residents`; "used" is the M the target keeps: every slot that fits."""
+        """env.json's `residents`; "used" is the M the target keeps: every slot that fits (at most an
+        explicit memory.resident_experts, which is how a run pins SpecMoEOff to another machine's M)."""
+        cap = self.spec.resident_cap
         return {"rule": "every slot the budget holds beside the separate draft", "fit_in_budget": fit.slots,
-                "fit_at_batch": fit.batch, "used": fit.slots}
+                "fit_at_batch": fit.batch, "used": min(fit.slots, cap) if cap else fit.slots,
+                **({"cap": cap} if cap else {})}
 
     def finish_runtime(self, rt: Runtime, draft: dict) -> Runtime:
         """The target's residents beside the separate draft instance (its own copy of every non-expert

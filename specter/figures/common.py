@@ -19,6 +19,8 @@ from matplotlib.patches import Patch
 import numpy as np
 import pandas as pd
 
+from specter.figures.labels import METHOD_LABELS  # noqa: F401  (figures read it from here too)
+
 
 class Skip(Exception):
     """A figure has no input; the message names what it looked for."""
@@ -27,12 +29,6 @@ class Skip(Exception):
 # Methods the paper compares, in its order; any other method found in the data follows, sorted.
 KNOWN_METHODS = ("specter", "specmoeoff", "specmoeoff_artifact", "moe_spec", "mo_sm", "mo_sc", "offload_ar", "vllm",
                  "transformers", "llamacpp", "target_only")
-METHOD_LABELS = {
-    "specter": "Specter", "specmoeoff": "SpecMoEOff", "specmoeoff_artifact": "SpecMoEOff (artifact preset)",
-    "moe_spec": "MoE-Spec", "mo_sm": "MO-SM",
-    "mo_sc": "MO-SC", "offload_ar": "Offload-AR", "vllm": "vLLM", "transformers": "Transformers",
-    "llamacpp": "llama.cpp", "target_only": "Target only",
-}
 # A colour-blind-safe qualitative palette (Okabe–Ito first, then Tableau), one colour per method.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000",
            "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#9467BD", "#FF9896", "#AEC7E8", "#98DF8A")

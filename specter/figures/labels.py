@@ -25,6 +25,13 @@ import pandas as pd
 MEASUREMENT_KEYS = ("trace_windows", "progress", "output_dir", "recalibrate", "retime_per_record", "allow_hub",
                     "assets_dir",
                     "verify_lossless", "lossless_tie_tolerance")
+# Display names of the methods (every legend and table; common.py re-exports them).
+METHOD_LABELS = {
+    "specter": "Specter", "specmoeoff": "SpecMoEOff", "specmoeoff_artifact": "SpecMoEOff (artifact preset)",
+    "moe_spec": "MoE-Spec", "mo_sm": "MO-SM",
+    "mo_sc": "MO-SC", "offload_ar": "Offload-AR", "vllm": "vLLM", "transformers": "Transformers",
+    "llamacpp": "llama.cpp", "target_only": "Target only",
+}
 SOURCES = ("main", "trace", "bench", "batch")
 
 
@@ -101,8 +108,6 @@ def legend_label(label: str, token_match: float | None = None) -> str:
     'lossy' and its token match: 'MoE-Spec (lossy, 45 % tokens match)', or 'MoE-Spec (lossy)'
     without a measurement. Stable signature: every figure with a legend of methods uses it.
     """
-    from specter.figures.common import METHOD_LABELS  # common imports matplotlib; labels stays light
-
     base, settings = split_variant(label)
     notes = [", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in settings.items())] if settings else []
     if is_lossy(base):

@@ -204,7 +204,7 @@ def effective_K(cfg: DictConfig) -> int:
     """Speculation depth: the top-level `K=` override, else the model config's K."""
     K: Any = cfg.get("K")
     if K is None and cfg.get("k_profile"):
-        K = _profiled_K(cfg)
+        K = profiled_k_of(cfg)
     if K is None:
         K = cfg.model.get("K", 1)
     _require(isinstance(K, int) and not isinstance(K, bool) and K >= 1, f"K must be an integer >= 1, got {K!r}")
@@ -275,7 +275,8 @@ def bind_checkpoint(cfg: DictConfig, checkpoint: Any) -> CheckpointFacts:
     return facts
 
 
-def _profiled_K(cfg: DictConfig) -> int:
+def profiled_k_of(cfg: DictConfig) -> int:
+    """The K a `k_profile=` file chose (it exists, parses, was measured on this model, K is usable)."""
     import json
     from pathlib import Path
 

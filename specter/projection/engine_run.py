@@ -52,8 +52,6 @@ def proxy_overrides(proxy: str, trained: bool, tier: str, method: str, slots: tu
     out += ["memory.budget_mb=1000000", f"method.staging_buffers={S}"]  # the real tier's slots, not the proxy's budget
     if method == "mo_sm":
         out.append(f"method.residents={M}")
-    elif method == "specmoeoff":
-        out.append(f"method.residents.{tier}={M}")
     else:
         out.append(f"memory.resident_experts={M}")
     if method in SPECULATIVE:
