@@ -35,6 +35,9 @@
 #                  ablation too); results in results/quick, figures in figures/quick. Timed: 22 min on
 #                  2 cores offline with the three bundled datasets once the tiny models are trained
 #                  (3-5 min each, once); CHECK=1 QUICK=1 prints the estimate for this machine.
+#   REFERENCE=1    QUICK's shape at the size of the shipped results/reference: 5 prompts x 3 repeats per
+#                  dataset (32 new tokens), K over the paper's {2,...,32}, B in {1,...,32} over 32 prompts;
+#                  results in results/reference_run (ARTIFACT.md section 5 gives its time)
 #   CHECK=1        preflight: the plan, its data and a time estimate; runs nothing, writes nothing
 #   DRY_RUN=1      print every step's command; DRY_FAIL="<step> ..." also shows what their failure skips
 #   MODELS         default "tiny_dsv2 tiny_qwen tiny_phi"

@@ -114,6 +114,20 @@ def test_quick_plan(tmp_path):
         assert any(a.startswith(f"output_dir={out}/ablation/staging0/") for a in cmds[name])
 
 
+def test_reference_plan_has_quicks_shape_at_the_papers_prompts_repeats_and_k_set(tmp_path):
+    steps, _ = dry_run(tmp_path, REFERENCE="1", MODELS="tiny_qwen", ASSETS=str(many_prompts(tmp_path)))
+    cmds = dict(steps)
+    assert [n for n in cmds if "k_sweep" in n] == ["reference.k_sweep-tiny_qwen-low"]  # one K per model
+    cell = cmds["reference.main-tiny_qwen-high"]
+    for arg in ("experiment=cell", "num_prompts=5", "repeats=3", "max_new_tokens=32"):
+        assert arg in cell  # 15 records per dataset and method, as the paper's protocol
+    assert "k_sweep.values=[2,4,6,8,12,16,20,24,32]" in cmds["reference.k_sweep-tiny_qwen-low"]  # the paper's K set
+    assert "batch.sizes=[1,2,4,8,16,32]" in cmds["reference.batch-tiny_qwen-specter"]
+    assert any(a.startswith(f"output_dir={tmp_path}/out/results/main/") or "results/main/" in a for a in cell)
+    res = script(tmp_path, DRY_RUN="1", QUICK="1", REFERENCE="1")
+    assert res.returncode != 0 and "choose one" in res.stderr + res.stdout
+
+
 def test_quick_plan_overrides_compose(tmp_path):
     """Every run.py command of the plan names valid config groups and keys."""
     from conftest import compose
@@ -152,7 +166,7 @@ def test_slurm_launcher_plan(tmp_path):
     assert any(a.startswith("output_dir=") and "${model.name}-${method.name}-${memory.name}" in a for a in main)
 
 
-@pytest.mark.parametrize("var", ["QUICK", "DRY_RUN"])
+@pytest.mark.parametrize("var", ["QUICK", "REFERENCE", "DRY_RUN"])
 def test_script_documents_its_settings(var):
     assert var in SCRIPT.read_text().split("set -uo pipefail")[0]
 

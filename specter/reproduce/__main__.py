@@ -53,7 +53,7 @@ def header(s: Settings, plan: Plan, data: DatasetDecision) -> list[str]:
         lines += data.how_to_add()
     if s.quick and data.ready:
         batch = f"batching {primary(data.batch_ready)}; " if data.batch_ready else ""
-        lines.append(f"  QUICK: one dataset for {batch}the trace and the prefetch ablation {primary(data.ready)}")
+        lines.append(f"  {s.mode.upper()}: one dataset for {batch}the trace and the prefetch ablation {primary(data.ready)}")
     lines += [f"  note: {n}" for n in plan.notes]
     return lines
 
@@ -116,8 +116,8 @@ def main(env: dict[str, str] | None = None) -> int:
 def _main(env: dict[str, str] | None) -> int:
     try:
         s = read_settings(env)
-        prompts = max(protocol(k, s.quick).num_prompts for k in ("main", "k_sweep", "trace", "prefetch"))
-        batch_prompts = protocol("batch", s.quick).num_prompts
+        prompts = max(protocol(k, s.quick, sizes=s.sizes).num_prompts for k in ("main", "k_sweep", "trace", "prefetch"))
+        batch_prompts = protocol("batch", s.quick, sizes=s.sizes).num_prompts
     except (SettingsError, ValueError) as err:
         print(f"reproduce_all: error: {err}", file=sys.stderr)
         return 2

@@ -128,9 +128,9 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
     def trained_opt(model: str) -> list[str]:
         return [f"model.trained={str(s.trained).lower()}"] if is_tiny(model) else []
 
-    sweep = protocol("k_sweep", s.quick, repo)
-    main = protocol("main", s.quick, repo)
-    batch = protocol("batch", s.quick, repo)
+    sweep = protocol("k_sweep", s.quick, repo, s.sizes)
+    main = protocol("main", s.quick, repo, s.sizes)
+    batch = protocol("batch", s.quick, repo, s.sizes)
     quick_over = (lambda p, e: p.overrides(e)) if s.quick else (lambda p, e: [])
     sweeps: dict[tuple[str, str], str] = {}  # (model, tier) -> the step that writes its K profile
 
@@ -166,7 +166,8 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                               *quick_over(main, "main"), *assets, *extra, f"output_dir={out}"],
                              needs=needs(m, *more), checks=(Check("run", out, data.ready),),
                              records=n_ds * main.num_prompts * main.repeats, model=m, method=method)
-        # the staging ablation: the same runs with method.staging_buffers=0 (QUICK: the first model's low tier)
+        # the staging ablation: the same runs with method.staging_buffers=0 (QUICK and
+        # REFERENCE: the first model's low tier)
         for m in s.models[:1] if s.quick else s.models:
             for tier in ("low",) if s.quick else s.tiers:
                 for method in (x for x in s.methods if x in CACHE_OWNING):
@@ -236,8 +237,9 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                  [py, "-m", "scripts.bench_verify", "--models", *tiny, *verify, "--hardware", s.hardware, *untrained,
                   "--out", str(bench / "verify_schedule.csv")],
                  needs=tiny_needs, checks=(Check("csv", bench / "verify_schedule.csv"),), units=len(tiny))
-        pre = protocol("prefetch", s.quick, repo)
-        quick_pre = ["--memory", "low", "--num-prompts", "1", "--max-new-tokens", "32"] if s.quick else []
+        pre = protocol("prefetch", s.quick, repo, s.sizes)
+        quick_pre = ["--memory", "low", "--num-prompts", str(pre.num_prompts), "--max-new-tokens",
+                     str(pre.max_new_tokens)] if s.quick else []
         plan.add("bench", "bench-prefetch",
                  [py, "-m", "scripts.bench_methods", "--suite", "prefetch", "--models", *tiny, *quick_pre,
                   "--datasets", ",".join(prefetch_sets) or "humaneval", "--hardware", s.hardware, *untrained,
@@ -275,7 +277,7 @@ def _multirun_grid(plan: Plan, s: Settings, ds: list[str], assets: list[str], tr
                    data: DatasetDecision) -> dict[tuple[str, str], str]:
     """LAUNCHER=slurm|local: the grid as Hydra multiruns, one per kind of job (tiny and real models apart)."""
     py, launcher = s.python, f"hydra/launcher={s.launcher}"
-    sweep, main = protocol("k_sweep", s.quick), protocol("main", s.quick)
+    sweep, main = protocol("k_sweep", s.quick, sizes=s.sizes), protocol("main", s.quick, sizes=s.sizes)
     over = (lambda p, e: p.overrides(e)) if s.quick else (lambda p, e: [])
     profile_tier = "low" if s.quick else "${memory.name}"
     profiled = [m for m in s.methods if m in PROFILED]

@@ -43,6 +43,17 @@ QUICK = {
     "trace": Protocol(num_prompts=1, repeats=1, max_new_tokens=128),  # one window timeline: the default length
     "prefetch": Protocol(num_prompts=1, repeats=1, max_new_tokens=32),
 }
+# REFERENCE: QUICK's shape (K swept on the low tier, one batching dataset, the staging ablation on the low
+# tier) at the paper's 5 prompts x 3 repeats per dataset and the paper's K set, with shorter records and
+# batches: the size of the shipped results/reference (about an hour on 2 cores, ARTIFACT.md section 5).
+REFERENCE = {
+    "main": Protocol(num_prompts=5, repeats=3, max_new_tokens=32),
+    "k_sweep": Protocol(num_prompts=1, repeats=1, max_new_tokens=64, k_values=(2, 4, 6, 8, 12, 16, 20, 24, 32)),
+    "batch": Protocol(num_prompts=32, repeats=1, max_new_tokens=32, batch_sizes=(1, 2, 4, 8, 16, 32)),
+    "trace": Protocol(num_prompts=1, repeats=1, max_new_tokens=128),
+    "prefetch": Protocol(num_prompts=1, repeats=1, max_new_tokens=64),
+}
+SHORTENED = {"quick": QUICK, "reference": REFERENCE}  # the sizes of each shortened mode
 # the trace and prefetch steps are short in both modes (a timeline of one prompt; a side-by-side)
 FULL_FIXED = {
     "trace": Protocol(num_prompts=1, repeats=1, max_new_tokens=128),
@@ -72,10 +83,11 @@ def experiment_protocol(experiment: str, repo: Path = REPO) -> Protocol:
     )
 
 
-def protocol(kind: str, quick: bool, repo: Path = REPO) -> Protocol:
-    """The protocol of one kind of step: main, k_sweep, batch, trace or prefetch."""
+def protocol(kind: str, quick: bool, repo: Path = REPO, sizes: str = "quick") -> Protocol:
+    """The protocol of one kind of step: main, k_sweep, batch, trace or prefetch (`sizes`: which
+    shortened protocol a `quick` run uses, QUICK's or REFERENCE's)."""
     if quick:
-        return QUICK[kind]
+        return SHORTENED[sizes][kind]
     if kind in FULL_FIXED:
         return FULL_FIXED[kind]
     return experiment_protocol(kind, repo)

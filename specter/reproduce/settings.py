@@ -51,7 +51,7 @@ def available_methods(hardware: str, home: Path, env: Mapping[str, str], repo: P
 
 @dataclass(frozen=True)
 class Settings:
-    quick: bool
+    quick: bool                       # a shortened protocol (QUICK=1 or REFERENCE=1): see `sizes`
     dry_run: bool
     check: bool
     force: bool
@@ -71,10 +71,11 @@ class Settings:
     batch_models: tuple[str, ...]
     batch_methods: tuple[str, ...]
     dry_fail: tuple[str, ...] = field(default=())  # DRY_RUN only: steps to treat as failed
+    sizes: str = "quick"              # a shortened run's sizes: quick | reference (specter/reproduce/protocol.py)
 
     @property
     def mode(self) -> str:
-        return "quick" if self.quick else "full"
+        return self.sizes if self.quick else "full"
 
     @property
     def sweep_tiers(self) -> tuple[str, ...]:
@@ -92,7 +93,12 @@ class Settings:
 def read_settings(env: Mapping[str, str] | None = None, repo: Path = REPO) -> Settings:
     """Settings from the environment (see scripts/reproduce_all.sh); SettingsError on a bad value."""
     env = dict(os.environ if env is None else env)
-    quick = _flag(env, "QUICK")
+    quick, reference = _flag(env, "QUICK"), _flag(env, "REFERENCE")
+    if quick and reference:
+        raise SettingsError("QUICK=1 and REFERENCE=1: choose one (REFERENCE is the larger shortened protocol)")
+    sizes = "reference" if reference else "quick"
+    default_results = {"quick": "results/quick", "reference": "results/reference_run"}[sizes]
+    quick = quick or reference
     hardware = env.get("HARDWARE", "emulated")
     if hardware not in HARDWARE_KINDS:
         raise SettingsError(f"HARDWARE={hardware!r}: choose one of {', '.join(HARDWARE_KINDS)}")
@@ -111,8 +117,8 @@ def read_settings(env: Mapping[str, str] | None = None, repo: Path = REPO) -> Se
         raise SettingsError(f"METHODS: no conf/method/{unknown[0]}.yaml; choose from {', '.join(sorted(known))}")
     batch_models = _words(env, "BATCH_MODELS", tuple(m for m in models if "dsv2" in m or "qwen" in m))
     batch_methods = _words(env, "BATCH_METHODS", DEFAULT_BATCH_METHODS)
-    results = Path(env.get("RESULTS") or ("results/quick" if quick else "results"))
-    figures = Path(env.get("FIGURES") or ("figures/quick" if quick else "figures"))
+    results = Path(env.get("RESULTS") or (default_results if quick else "results"))
+    figures = Path(env.get("FIGURES") or (f"figures/{sizes}" if quick else "figures"))
     return Settings(
         quick=quick, dry_run=_flag(env, "DRY_RUN"), check=_flag(env, "CHECK"), force=_flag(env, "FORCE"),
         python=env.get("PYTHON") or "python", hardware=hardware, models=models,
@@ -120,5 +126,5 @@ def read_settings(env: Mapping[str, str] | None = None, repo: Path = REPO) -> Se
         launcher=launcher, results=results, figures=figures,
         logs=Path(env.get("LOGS") or "results/logs"), assets=env.get("ASSETS") or None, home=home,
         methods=methods, batch_models=batch_models, batch_methods=batch_methods,
-        dry_fail=tuple(env.get("DRY_FAIL", "").replace(",", " ").split()),
+        dry_fail=tuple(env.get("DRY_FAIL", "").replace(",", " ").split()), sizes=sizes,
     )
