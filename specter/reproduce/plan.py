@@ -44,7 +44,7 @@ class Check:
 @dataclass(frozen=True)
 class Step:
     name: str                                  # "<mode>.<kind>-<what>", also its log and marker name
-    kind: str                                  # datasets | train | k_sweep | main | ablation | batch | trace | bench | figures
+    kind: str                                  # datasets | train | k_sweep | main | ablation | batch | trace | bench | project | figures
     argv: tuple[str, ...]
     needs: tuple[str, ...] = ()                # names of the steps whose outputs it reads
     checks: tuple[Check, ...] = ()             # its outputs; empty: rerun every time (datasets, figures)
@@ -248,6 +248,13 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                  records=len(tiny) * 5 * len(prefetch_sets) * pre.num_prompts * pre.repeats, units=len(tiny) * 5)
     else:
         plan.notes.append("bench-verify, bench-prefetch: tiny models only (MODELS has none)")
+    if tiny and s.hardware != "cuda":  # the projection runs the tiny proxies on a virtual clock (no device)
+        plan.add("project", "project",
+                 [py, "-m", "specter.projection.grid", "--results", str(s.results)],
+                 needs=tiny_needs, checks=tuple(Check("csv", s.results / "project" / f"{r}-{t}-a100_40gb_pcie4" /
+                                                      "projection.csv")
+                                                for r in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low")),
+                 units=6)
     plan.add("figures", "figures", [py, "make_figures.py", "--results", str(s.results), "--figures", str(s.figures)])
     return plan
 
