@@ -97,3 +97,11 @@ def test_bad_cell_lists_are_refused(tmp_path, capsys):
     assert rc == 2 and "more than once" in err
     rc, _, err = cli_in_process(["experiment=cell", "cell.methods=[]", *FAST, f"output_dir={tmp_path}/x"], capsys)
     assert rc == 2 and "cell.methods is empty" in err
+
+
+def test_a_method_with_a_k_profile_of_its_own_reads_it_and_the_others_read_specters():
+    cfg = compose(["experiment=cell", "cell.methods=[specter,moe_spec,specmoeoff,offload_ar]", *FAST,
+                   "k_profile=/profiles/specter.json", "+cell.k_profiles.specmoeoff=/profiles/specmoeoff.json"])
+    assert method_config(cfg, "specter").k_profile == method_config(cfg, "moe_spec").k_profile == "/profiles/specter.json"
+    assert method_config(cfg, "specmoeoff").k_profile == "/profiles/specmoeoff.json"
+    assert method_config(cfg, "offload_ar").k_profile is None

@@ -81,7 +81,8 @@ def test_quick_plan(tmp_path):
     names = [n for n, _ in steps]
     assert names[0] == "quick.datasets"  # the dataset check runs first: it decides what the runs are given
     assert names[1:4] == [f"quick.train-{m}" for m in TINY]
-    assert [n for n in names if "k_sweep" in n] == [f"quick.k_sweep-{m}-low" for m in TINY]  # QUICK: low tier only
+    # QUICK: low tier only; Specter's profile over the paper's K set and SpecMoEOff's own over its k_range
+    assert [n for n in names if "k_sweep" in n] == [f"quick.k_sweep-{m}-low{x}" for m in TINY for x in ("", "-specmoeoff")]
     methods = default_methods()
     mains = {n for n in names if n.startswith("quick.main-")}
     assert mains == {f"quick.main-{m}-{t}" for m in TINY for t in ("high", "low")}  # one cell per model x tier
@@ -117,7 +118,14 @@ def test_quick_plan(tmp_path):
 def test_reference_plan_has_quicks_shape_at_the_papers_prompts_repeats_and_k_set(tmp_path):
     steps, _ = dry_run(tmp_path, REFERENCE="1", MODELS="tiny_qwen", ASSETS=str(many_prompts(tmp_path)))
     cmds = dict(steps)
-    assert [n for n in cmds if "k_sweep" in n] == ["reference.k_sweep-tiny_qwen-low"]  # one K per model
+    assert [n for n in cmds if "k_sweep" in n] == ["reference.k_sweep-tiny_qwen-low",  # one K per model
+                                                    "reference.k_sweep-tiny_qwen-low-specmoeoff"]
+    cell = cmds["reference.main-tiny_qwen-high"]
+    own = cmds["reference.k_sweep-tiny_qwen-low-specmoeoff"]
+    assert "method=specmoeoff" in own and not any(a.startswith("k_sweep.values=") for a in own)  # its own range
+    profile = f"{tmp_path}/out/results/k_sweep/tiny_qwen-low-emulated-specmoeoff/k_profile.json"
+    assert f"+cell.k_profiles.specmoeoff={profile}" in cell  # SpecMoEOff's K from its own profile
+    assert f"k_profile={profile}" in cmds["reference.batch-tiny_qwen-specmoeoff"]
     cell = cmds["reference.main-tiny_qwen-high"]
     for arg in ("experiment=cell", "num_prompts=5", "repeats=3", "max_new_tokens=32"):
         assert arg in cell  # 15 records per dataset and method, as the paper's protocol

@@ -60,7 +60,7 @@ def method_output_dir(cfg: DictConfig, method: str) -> str:
 def method_config(cfg: DictConfig, method: str) -> DictConfig:
     """The configuration `experiment=main method=<method>` composes for this cell's model and tier: its
     method group, its hardware (cell.hardware, else the cell's), the k_profile only where it applies
-    (cell.k_profile_methods), its own output_dir; the cell's own settings back at their defaults, so
+    (cell.k_profile_methods; cell.k_profiles gives a method a profile of its own), its own output_dir; the cell's own settings back at their defaults, so
     the folder's config.yaml is the one a standalone run writes and either resumes the other."""
     from specter.harness.compose import compose, hardware_defaults
 
@@ -79,7 +79,10 @@ def method_config(cfg: DictConfig, method: str) -> DictConfig:
             own = hardware_defaults(cfg.hardware.name) if cfg.hardware.name != "auto" else {}
             user = {k: v for k, v in cfg.hardware.items() if k != "name" and k in own and v != own.get(k)}
             sub.hardware = OmegaConf.merge(composed.hardware, user)
-        if method not in set(cfg.cell.k_profile_methods or ()):
+        own = (cfg.cell.get("k_profiles") or {}).get(method)
+        if own:  # a method that profiles its own K (SpecMoEOff over its method.k_range)
+            sub.k_profile = str(own)
+        elif method not in set(cfg.cell.k_profile_methods or ()):
             sub.k_profile = None
         sub.experiment = "run"
         sub.output_dir = method_output_dir(cfg, method)

@@ -146,6 +146,7 @@ class CellConfig:
     methods: list[str] = field(default_factory=list)
     hardware: dict[str, str] = field(default_factory=dict)  # method -> hardware option (default: the cell's)
     k_profile_methods: list[str] = field(default_factory=lambda: ["specter", "moe_spec"])  # the ones k_profile applies to
+    k_profiles: dict[str, str] = field(default_factory=dict)  # method -> a K profile of its own (SpecMoEOff's)
     method_overrides: dict[str, Any] = field(default_factory=dict)  # method -> {key: value} on its method group
 
 

@@ -14,6 +14,8 @@ import shlex
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import yaml
+
 from specter.harness.schema import SpecterMethodConfig
 from specter.reproduce.datasets import DatasetDecision, dataset_overrides
 from specter.reproduce.protocol import protocol
@@ -75,6 +77,8 @@ class Plan:
 
 # methods that run with the tier's profiled K: Specter, and MoE-Spec (verification-time budgeting on Specter)
 PROFILED = ("specter", "moe_spec")
+# methods that profile their own K (experiment=k_sweep method=<m>, over their method.k_range)
+OWN_PROFILE = ("specmoeoff",)
 # engines that run in a process of their own (a server): they cannot share a cell's process
 OUT_OF_PROCESS = ("vllm",)
 # methods that own an expert cache: staging buffers by one rule, ablated together (method.staging_buffers=0)
@@ -91,9 +95,16 @@ def is_tiny(model: str) -> bool:
     return model.startswith("tiny_")
 
 
-def _k_profile(s: Settings, model: str, tier: str) -> Path:
-    """The K profile a specter run of `model` at `tier` uses (QUICK sweeps the low tier only)."""
-    return s.results / "k_sweep" / f"{model}-{'low' if s.quick else tier}-{s.hardware}" / "k_profile.json"
+def _k_profile(s: Settings, model: str, tier: str, method: str = "specter") -> Path:
+    """The K profile a run of `model` at `tier` uses: Specter's (also MoE-Spec's), or the own profile of a
+    method in OWN_PROFILE (QUICK and REFERENCE sweep the low tier only)."""
+    own = "" if method in PROFILED else f"-{method}"
+    return s.results / "k_sweep" / f"{model}-{'low' if s.quick else tier}-{s.hardware}{own}" / "k_profile.json"
+
+
+def _profile_args(s: Settings, model: str, tier: str, method: str) -> list[str]:
+    """`k_profile=` for a method that reads a K profile, else nothing."""
+    return [f"k_profile={_k_profile(s, model, tier, method)}"] if method in PROFILED + OWN_PROFILE else []
 
 
 def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
@@ -133,9 +144,11 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
     batch = protocol("batch", s.quick, repo, s.sizes)
     quick_over = (lambda p, e: p.overrides(e)) if s.quick else (lambda p, e: [])
     sweeps: dict[tuple[str, str], str] = {}  # (model, tier) -> the step that writes its K profile
+    own_sweeps: dict[tuple[str, str, str], str] = {}  # (model, tier, method) -> the step of a method's own profile
 
-    def sweep_of(model: str, tier: str) -> tuple[str, ...]:
-        name = sweeps.get((model, "low" if s.quick else tier))
+    def sweep_of(model: str, tier: str, method: str = "specter") -> tuple[str, ...]:
+        tier = "low" if s.quick else tier
+        name = sweeps.get((model, tier)) if method in PROFILED else own_sweeps.get((model, tier, method))
         return (name,) if name else ()
 
     if not s.launcher:
@@ -148,17 +161,29 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                          needs=needs(m), checks=(Check("k_sweep", out),),
                          records=n_ds * sweep.num_prompts * sweep.repeats * len(sweep.k_values),
                          units=len(sweep.k_values), model=m, method="specter").name
+                for method in (x for x in s.methods if x in OWN_PROFILE):  # its own K range, not the paper's set
+                    out = _k_profile(s, m, tier, method).parent
+                    k_range = len((yaml.safe_load((repo / "conf" / "method" / f"{method}.yaml").read_text()) or {})
+                                  .get("k_range") or ())
+                    own_sweeps[(m, tier, method)] = plan.add(
+                        "k_sweep", f"k_sweep-{m}-{tier}-{method}",
+                        [py, "run.py", "experiment=k_sweep", f"method={method}", f"model={m}", f"memory={tier}",
+                         f"hardware={s.hardware}", *ds, *trained_opt(m),
+                         *[o for o in quick_over(sweep, "k_sweep") if not o.startswith("k_sweep.values=")], *assets,
+                         f"output_dir={out}"],
+                        needs=needs(m), checks=(Check("k_sweep", out),),
+                        records=n_ds * sweep.num_prompts * sweep.repeats * k_range, units=k_range, model=m,
+                        method=method).name
         for m in s.models:
             for tier in s.tiers:
                 # a tiny model's methods all fit one process: a cell; a real model's do not (each fills the tier's
                 # GPU budget), so each method keeps a step of its own there
                 inside = [x for x in s.methods if x not in OUT_OF_PROCESS] if is_tiny(m) else []
                 _cell_step(plan, s, m, tier, inside, ds, assets, trained_opt(m), quick_over(main, "main"), main,
-                           data, needs=lambda *more, m=m: needs(m, *more), sweep=sweep_of(m, tier))
+                           data, needs=lambda *more, m=m: needs(m, *more),
+                           sweeps={x: sweep_of(m, tier, x) for x in inside})
                 for method in (x for x in s.methods if x not in inside):
-                    extra, more = [], ()
-                    if method in PROFILED:
-                        extra, more = [f"k_profile={_k_profile(s, m, tier)}"], sweep_of(m, tier)
+                    extra, more = _profile_args(s, m, tier, method), sweep_of(m, tier, method)
                     out = s.results / "main" / f"{m}-{method}-{tier}"
                     plan.add("main", f"main-{m}-{tier}-{method}",
                              [py, "run.py", "experiment=main", f"model={m}", f"memory={tier}", f"method={method}",
@@ -171,9 +196,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
         for m in s.models[:1] if s.quick else s.models:
             for tier in ("low",) if s.quick else s.tiers:
                 for method in (x for x in s.methods if x in CACHE_OWNING):
-                    extra, more = [], ()
-                    if method in PROFILED:
-                        extra, more = [f"k_profile={_k_profile(s, m, tier)}"], sweep_of(m, tier)
+                    extra, more = _profile_args(s, m, tier, method), sweep_of(m, tier, method)
                     out = s.results / "ablation" / "staging0" / f"{m}-{method}-{tier}"
                     plan.add("ablation", f"ablation-staging0-{m}-{tier}-{method}",
                              [py, "run.py", "experiment=main", f"model={m}", f"memory={tier}", f"method={method}",
@@ -196,8 +219,8 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                 if method not in s.methods:
                     continue
                 extra, more = [], ()
-                if method == "specter":
-                    extra, more = [f"k_profile={_k_profile(s, m, 'high')}"], sweep_of(m, "high")
+                if method in ("specter",) + OWN_PROFILE:
+                    extra, more = _profile_args(s, m, "high", method), sweep_of(m, "high", method)
                 hw = s.method_hardware(method)
                 out = s.results / "batch" / f"{m}-{method}-high-{hw}"
                 plan.add("batch", f"batch-{m}-{method}",
@@ -260,13 +283,16 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
 
 
 def _cell_step(plan: Plan, s: Settings, model: str, tier: str, inside: list[str], ds: list[str], assets: list[str],
-               trained: list[str], quick: list[str], main, data: DatasetDecision, needs, sweep: tuple[str, ...]) -> None:
+               trained: list[str], quick: list[str], main, data: DatasetDecision, needs,
+               sweeps: dict[str, tuple[str, ...]]) -> None:
     """One main-grid cell (model x tier): the methods `inside` in one experiment=cell step, measured
-    interleaved record by record in one process (specter/harness/cell.py)."""
+    interleaved record by record in one process (specter/harness/cell.py). Specter and MoE-Spec read
+    Specter's K profile (k_profile=), a method in OWN_PROFILE its own (cell.k_profiles)."""
     if not inside:
         return
     profiled = [m for m in inside if m in PROFILED]
     extra = [f"k_profile={_k_profile(s, model, tier)}"] if profiled else []
+    extra += [f"+cell.k_profiles.{m}={_k_profile(s, model, tier, m)}" for m in inside if m in OWN_PROFILE]
     other_hw = {m: s.method_hardware(m) for m in inside if s.method_hardware(m) != s.hardware}
     hw = [f"+cell.hardware.{m}={h}" for m, h in other_hw.items()]  # a typed dict takes new keys with +
     out = s.results / "main" / f"{model}-{{method}}-{tier}"
@@ -274,7 +300,7 @@ def _cell_step(plan: Plan, s: Settings, model: str, tier: str, inside: list[str]
              [s.python, "run.py", "experiment=cell", f"model={model}", f"memory={tier}", f"hardware={s.hardware}",
               "cell.methods=[" + ",".join(inside) + "]", *hw, *ds, *trained, *quick, *assets, *extra,
               f"output_dir='{out}'"],
-             needs=needs(*(sweep if profiled else ())),
+             needs=needs(*sorted({n for m in inside for n in sweeps.get(m, ())})),
              checks=tuple(Check("run", s.results / "main" / f"{model}-{m}-{tier}", data.ready) for m in inside),
              records=len(data.ready) * main.num_prompts * main.repeats * len(inside), units=len(inside),
              model=model, method=",".join(inside))
