@@ -1,8 +1,9 @@
-"""Which code measured a result folder: the commit, and the git trees of specter/ and baselines/.
+"""Which code measured a result folder: the commit, and digests of the trees of specter/ and baselines/.
 
 A commit alone does not say whether two folders ran the same measuring code (a README edit is a new
-commit); the tree object of specter/ and of baselines/ does: `git rev-parse <commit>:specter` is the
-digest of everything under it. A run records, in its provenance.json (`code`), the commit it ran at,
+commit); the trees of specter/ and baselines/ do: a tree's digest is the sha256 of its git listing
+(`git ls-tree <commit> specter/`: every entry's object id, so everything under it), less the entries
+of `NOT_MEASURING` (specter/figures/ draws CSVs and never changes a record). A run records, in its provenance.json (`code`), the commit it ran at,
 both trees, and per tree whether the working copy differed from that commit (`dirty`: then the tree
 digest is the commit's, and the code that ran was something else). `make_figures.py` warns about
 every folder whose trees are not HEAD's (`stale_folders`). Plain git, no torch: figures need none.
@@ -10,6 +11,7 @@ every folder whose trees are not HEAD's (`stale_folders`). Plain git, no torch: 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TREES = ("specter", "baselines")  # the code that measures; docs, configs and figures do not change a record
+NOT_MEASURING = ("specter/figures",)  # entries of those trees left out of their digests
 PROVENANCE_NAME = "provenance.json"
 
 
@@ -29,8 +32,16 @@ def _git(repo: Path, *args: str) -> str | None:
 
 
 def tree_digests(commit: str, repo: Path = REPO) -> dict[str, str | None]:
-    """{tree: its git tree sha at `commit`} (None: no such commit or tree in this clone)."""
-    return {t: _git(repo, "rev-parse", "--verify", "--quiet", f"{commit}:{t}") for t in TREES}
+    """{tree: the digest of its measuring entries at `commit`} (None: no such commit or tree in this clone)."""
+    out: dict[str, str | None] = {}
+    for t in TREES:
+        listing = _git(repo, "ls-tree", commit, f"{t}/")
+        if not listing:
+            out[t] = None
+            continue
+        kept = [line for line in listing.splitlines() if line.split("\t", 1)[-1] not in NOT_MEASURING]
+        out[t] = hashlib.sha256("\n".join(kept).encode()).hexdigest()
+    return out
 
 
 def code_state(repo: Path = REPO) -> dict[str, Any] | None:
@@ -40,7 +51,8 @@ def code_state(repo: Path = REPO) -> dict[str, Any] | None:
         return None
     dirty = {}
     for t in TREES:
-        changed = _git(repo, "status", "--porcelain", "--untracked-files=normal", "--", t)
+        changed = _git(repo, "status", "--porcelain", "--untracked-files=normal", "--", t,
+                       *(f":(exclude){x}" for x in NOT_MEASURING if x.startswith(f"{t}/")))
         dirty[t] = None if changed is None else bool(changed)
     return {"commit": commit, "trees": tree_digests(commit, repo), "dirty": dirty}
 

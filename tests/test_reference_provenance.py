@@ -24,7 +24,7 @@ def test_a_folder_measured_by_other_code_is_reported(tmp_path):
     from specter.code_provenance import code_state
 
     repo = tmp_path / "repo"
-    for tree in ("specter", "baselines", "docs"):
+    for tree in ("specter", "specter/figures", "baselines", "docs"):
         (repo / tree).mkdir(parents=True)
         (repo / tree / "a.py").write_text("x = 1\n")
     git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo,  # noqa: E731
