@@ -307,6 +307,13 @@ def _sweep(root: Path, memory: str, tpots: list[float]) -> None:
                                                        "hardware": "emulated", "K": best}))
 
 
+def test_a_method_reads_its_own_profile_else_specters_else_the_swept_tier():
+    profiles = {("m", "low", "specter"): (24, "interior"), ("m", "low", "specmoeoff"): (6, "interior")}
+    assert k_sweep.profile_of(profiles, "m", "low", "moe_spec") == (24, "specter's profile: interior")
+    assert k_sweep.profile_of(profiles, "m", "high", "specmoeoff") == (6, "specmoeoff's profile of the low tier: interior")
+    assert k_sweep.profile_of(profiles, "other", "low", "specter") == (None, "no sweep for this model")
+
+
 def test_k_sweep_says_where_its_minimum_is_and_which_k_records_used(tmp_path):
     root = tmp_path / "r"
     _sweep(root, "high", [12.0, 9.0, 10.0])
@@ -318,8 +325,8 @@ def test_k_sweep_says_where_its_minimum_is_and_which_k_records_used(tmp_path):
     where = sweeps.groupby("memory")["minimum"].first().to_dict()
     assert where == {"high": "interior", "low": "edge: largest K swept (K=16)"}
     used = k_sweep.k_used_table(results, sweeps).set_index("memory")
-    assert used.loc["high", "K_in_records"] == "8" and used.loc["high", "tier_profile_K"] == 8
-    assert used.loc["low", "tier_profile_minimum"].startswith("edge") and used.loc["low", "records_without_K"] == 0
+    assert used.loc["high", "K_in_records"] == "8" and used.loc["high", "profile_K"] == 8
+    assert "edge" in used.loc["low", "profile"] and used.loc["low", "records_without_K"] == 0
     out = _out(tmp_path)
     k_sweep.build(results, out)
     assert (out.folder / "table_k_used.md").exists() and (out.folder / "fig07_k_sweep.png").exists()

@@ -95,26 +95,50 @@ def minimum_at(sweep: pd.DataFrame) -> str:
     return "interior"
 
 
+def chosen_profiles(results: ResultSet) -> dict[tuple[str, str, str], tuple[int, str]]:
+    """(model, memory, method) -> (chosen K, where the minimum lies) of every K profile in the set:
+    Specter's (which MoE-Spec shares) and a method's own (SpecMoEOff's, over its own K range)."""
+    out = {}
+    for path, df in results.csvs("k_sweep.csv"):
+        if not {"K", "mean_tpot_ms"} <= set(df.columns):
+            continue
+        info = sweep_info(results, path, df)
+        method = str(info.get("method") or "specter")
+        out[(str(info.get("model")), str(info.get("memory") or ""), method)] = (int(info["K"]), minimum_at(df))
+    return out
+
+
+def profile_of(profiles: dict, model: str, memory: str, method: str) -> tuple[int | None, str]:
+    """The profile a run of `method` reads: its own, else Specter's; its tier's, else the model's other
+    swept tier (QUICK and REFERENCE sweep the low tier only, and both tiers use it)."""
+    owner = method if any(k[2] == method for k in profiles) else "specter"
+    if (model, memory, owner) in profiles:
+        K, where = profiles[(model, memory, owner)]
+        return K, f"{owner}'s profile: {where}"
+    for (m, tier, o), (K, where) in sorted(profiles.items()):
+        if m == model and o == owner:
+            return K, f"{owner}'s profile of the {tier} tier: {where}"
+    return None, "no sweep for this model"
+
+
 def k_used_table(results: ResultSet, sweeps: pd.DataFrame) -> pd.DataFrame:
-    """Per (model, tier, hardware, speculative method): the K in its records and the tier's chosen K."""
+    """Per (model, tier, hardware, speculative method): the K in its records and the K of the profile it reads."""
     records = results.records("main")
     if records.empty or "K" not in records.columns:
         return pd.DataFrame()
     spec = records[records["K"].notna()]
     if spec.empty:
         return pd.DataFrame()
-    chosen = sweeps[sweeps["chosen"]].set_index(["model", "memory"]) if not sweeps.empty else pd.DataFrame()
+    profiles = chosen_profiles(results)
     rows = []
     for (model, memory, hardware, method), g in spec.groupby(["model", "memory", "hardware", "variant"], sort=False):
         ks = sorted({int(k) for k in g["K"]})
-        tier_k = chosen["K"].get((model, memory)) if not chosen.empty else None
-        where = chosen["minimum"].get((model, memory)) if not chosen.empty else None
+        K, where = profile_of(profiles, str(model), str(memory), str(method).split("[", 1)[0])
         rows.append({"model": model, "memory": memory, "hardware": hardware, "method": method,
                      "K_in_records": ",".join(map(str, ks)),
                      "records_without_K": int(records[(records["model"] == model) & (records["memory"] == memory)
                                                       & (records["variant"] == method)]["K"].isna().sum()),
-                     "tier_profile_K": None if tier_k is None or pd.isna(tier_k) else int(tier_k),
-                     "tier_profile_minimum": where or "no sweep for this tier"})
+                     "profile_K": K, "profile": where})
     return pd.DataFrame(rows)
 
 
@@ -123,8 +147,9 @@ def build(results: ResultSet, out: Output) -> None:
     used = k_used_table(results, table)
     if not used.empty:
         out.table(used, NAME_USED, "K used by each speculative method, beside its own tier's profile", notes=[
-            "K_in_records: the K every record of that run carries; tier_profile_K: the K the sweep of the same "
-            "model and tier chose; tier_profile_minimum: whether that sweep's minimum is interior or at an edge."])
+            "K_in_records: the K every record of that run carries; profile_K: the K of the profile the method reads "
+            "(its own, else Specter's; its tier's, else the model's swept tier); profile: whose, and whether that "
+            "sweep's minimum is interior or at an edge. A method without a profile (the artifact preset) runs its fixed K."])
     if table.empty:
         raise Skip("no k_sweep.csv (python run.py experiment=k_sweep ...)")
     out.table(table, NAME, TITLE, notes=["chosen: the K that k_profile.json recorded (lowest mean TPOT). minimum: "
