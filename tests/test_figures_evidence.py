@@ -324,7 +324,7 @@ def test_k_sweep_says_where_its_minimum_is_and_which_k_records_used(tmp_path):
     sweeps = k_sweep.sweep_table(results)
     where = sweeps.groupby("memory")["minimum"].first().to_dict()
     assert where == {"high": "interior", "low": "edge: largest K swept (K=16)"}
-    used = k_sweep.k_used_table(results, sweeps).set_index("memory")
+    used = k_sweep.k_used_table(results).set_index("memory")
     assert used.loc["high", "K_in_records"] == "8" and used.loc["high", "profile_K"] == 8
     assert "edge" in used.loc["low", "profile"] and used.loc["low", "records_without_K"] == 0
     out = _out(tmp_path)

@@ -131,7 +131,7 @@ def test_reference_plan_has_quicks_shape_at_the_papers_prompts_repeats_and_k_set
         assert arg in cell  # 15 records per dataset and method, as the paper's protocol
     assert "k_sweep.values=[2,4,6,8,12,16,20,24,32]" in cmds["reference.k_sweep-tiny_qwen-low"]  # the paper's K set
     assert "batch.sizes=[1,2,4,8,16,32]" in cmds["reference.batch-tiny_qwen-specter"]
-    assert any(a.startswith(f"output_dir={tmp_path}/out/results/main/") or "results/main/" in a for a in cell)
+    assert f"output_dir='{tmp_path}/out/results/main/tiny_qwen-{{method}}-high'" in cell
     res = script(tmp_path, DRY_RUN="1", QUICK="1", REFERENCE="1")
     assert res.returncode != 0 and "choose one" in res.stderr + res.stdout
 

@@ -57,13 +57,21 @@ def sweep_info(results: ResultSet, path: Path, df: pd.DataFrame) -> dict:
     return info
 
 
-def sweep_table(results: ResultSet) -> pd.DataFrame:
-    frames = []
+def _sweeps(results: ResultSet, quiet: bool = False) -> list[tuple[dict, pd.DataFrame]]:
+    """Every K sweep of the set with its profile's facts (`sweep_info`), Specter's and other methods' own."""
+    found = []
     for path, df in results.csvs("k_sweep.csv"):
         if not {"K", "mean_tpot_ms"} <= set(df.columns):
-            print(f"note: {path} lacks K/mean_tpot_ms; ignored")
+            if not quiet:
+                print(f"note: {path} lacks K/mean_tpot_ms; ignored")
             continue
-        info = sweep_info(results, path, df)
+        found.append((sweep_info(results, path, df), df))
+    return found
+
+
+def sweep_table(results: ResultSet) -> pd.DataFrame:
+    frames = []
+    for info, df in _sweeps(results):
         if info.get("method", "specter") != "specter":  # another method's own K profile (SpecMoEOff's range)
             continue
         df = df.assign(model=info.get("model"), memory=info.get("memory") or "", hardware=info.get("hardware") or "",
@@ -98,14 +106,8 @@ def minimum_at(sweep: pd.DataFrame) -> str:
 def chosen_profiles(results: ResultSet) -> dict[tuple[str, str, str], tuple[int, str]]:
     """(model, memory, method) -> (chosen K, where the minimum lies) of every K profile in the set:
     Specter's (which MoE-Spec shares) and a method's own (SpecMoEOff's, over its own K range)."""
-    out = {}
-    for path, df in results.csvs("k_sweep.csv"):
-        if not {"K", "mean_tpot_ms"} <= set(df.columns):
-            continue
-        info = sweep_info(results, path, df)
-        method = str(info.get("method") or "specter")
-        out[(str(info.get("model")), str(info.get("memory") or ""), method)] = (int(info["K"]), minimum_at(df))
-    return out
+    return {(str(info.get("model")), str(info.get("memory") or ""), str(info.get("method") or "specter")):
+            (int(info["K"]), minimum_at(df)) for info, df in _sweeps(results, quiet=True)}
 
 
 def profile_of(profiles: dict, model: str, memory: str, method: str) -> tuple[int | None, str]:
@@ -121,7 +123,7 @@ def profile_of(profiles: dict, model: str, memory: str, method: str) -> tuple[in
     return None, "no sweep for this model"
 
 
-def k_used_table(results: ResultSet, sweeps: pd.DataFrame) -> pd.DataFrame:
+def k_used_table(results: ResultSet) -> pd.DataFrame:
     """Per (model, tier, hardware, speculative method): the K in its records and the K of the profile it reads."""
     records = results.records("main")
     if records.empty or "K" not in records.columns:
@@ -144,7 +146,7 @@ def k_used_table(results: ResultSet, sweeps: pd.DataFrame) -> pd.DataFrame:
 
 def build(results: ResultSet, out: Output) -> None:
     table = sweep_table(results)
-    used = k_used_table(results, table)
+    used = k_used_table(results)
     if not used.empty:
         out.table(used, NAME_USED, "K used by each speculative method, beside its own tier's profile", notes=[
             "K_in_records: the K every record of that run carries; profile_K: the K of the profile the method reads "
