@@ -312,6 +312,7 @@ def test_a_method_reads_its_own_profile_else_specters_else_the_swept_tier():
     assert k_sweep.profile_of(profiles, "m", "low", "moe_spec") == (24, "specter's profile: interior")
     assert k_sweep.profile_of(profiles, "m", "high", "specmoeoff") == (6, "specmoeoff's profile of the low tier: interior")
     assert k_sweep.profile_of(profiles, "other", "low", "specter") == (None, "no sweep for this model")
+    assert k_sweep.profile_of(profiles, "m", "low", "specmoeoff_artifact") == (None, "reads no K profile (fixed K)")
 
 
 def test_k_sweep_says_where_its_minimum_is_and_which_k_records_used(tmp_path):

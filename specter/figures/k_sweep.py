@@ -110,10 +110,18 @@ def chosen_profiles(results: ResultSet) -> dict[tuple[str, str, str], tuple[int,
             (int(info["K"]), minimum_at(df)) for info, df in _sweeps(results, quiet=True)}
 
 
+READS_SPECTERS = ("specter", "moe_spec")  # the methods k_profile= applies to (cell.k_profile_methods)
+
+
 def profile_of(profiles: dict, model: str, memory: str, method: str) -> tuple[int | None, str]:
     """The profile a run of `method` reads: its own, else Specter's; its tier's, else the model's other
     swept tier (QUICK and REFERENCE sweep the low tier only, and both tiers use it)."""
-    owner = method if any(k[2] == method for k in profiles) else "specter"
+    if any(k[2] == method for k in profiles):
+        owner = method
+    elif method in READS_SPECTERS:
+        owner = "specter"
+    else:  # e.g. SpecMoEOff's artifact preset: its K is fixed, it reads no profile
+        return None, "reads no K profile (fixed K)"
     if (model, memory, owner) in profiles:
         K, where = profiles[(model, memory, owner)]
         return K, f"{owner}'s profile: {where}"
