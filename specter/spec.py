@@ -29,6 +29,7 @@ class LinkSpec:
     latency_us: float | None = None
     load_ratio: float = 1.0
     recalibrate: bool = False
+    load_ratio_source: str = ""  # where load_ratio comes from (the cost model and device file, or model.load_ratio)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class MethodSpec:
     quant: str | None = None  # draft experts: gptq | rtn (None: no draft)
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)  # quant=gptq
     draft_kernel: str = "auto"
+    draft_bits: int = 4  # GPTQ draft precision (the paper: 4); a proxy's calibrated acceptance may set fewer
+    draft_group_size: int = 128
     prefetch: str = "adaptive"  # planner policy (see specter.predict.planner.POLICIES)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     planner_state: str = "warm"  # warm | cold | carry
@@ -82,6 +85,7 @@ class MethodSpec:
     staging: int | None = None  # staging buffers shared by all layers (None: the one rule, offload.budget.staging_buffers)
     staging_per_layer: float = STAGING_PER_LAYER  # the cap of `staging=None`, per MoE layer
     plan_cap: int | None = None  # at most this many experts per layer in a window's plan (a verifier's budget)
+    planned: Any = None  # a tiny model's slots and staging from the real model's plan (harness.real_plan.PlannedSlots)
     budget: BudgetSpec = field(default_factory=BudgetSpec)
     link: LinkSpec = field(default_factory=LinkSpec)
     sequence_tokens: int = 0  # prefix + new tokens a request holds in KV (before the K+1 window)

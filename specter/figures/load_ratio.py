@@ -3,8 +3,9 @@
 Input: every `load_ratio.csv` (experiment=load_ratio_sweep: model, memory, method, load_ratio,
 tpot_ms, effective_load_ratio, ...). Each point sits at its configured r; a thin whisker ending in
 a small cross runs from it to the *effective* ratio the cell's records ran under (their mean), so
-a cell whose machine drifted off its configured link shows it. The paper's operating points are marked: r ≈ 0.7
-(DeepSeek-V2-Lite, Qwen1.5-MoE) and r ≈ 6 (Phi-3.5-MoE), the model's own one solid.
+a cell whose machine drifted off its configured link shows it. Each model's named points are marked: the
+device file's ratio (the cost model of the real model, what an emulated run defaults to) solid, and the
+earlier hand estimate (r = 0.7 for DeepSeek-V2-Lite and Qwen1.5-MoE, 6 for Phi-3.5-MoE) dotted.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from specter.figures.data import ResultSet
 
 NAME = "fig_load_ratio"
 TITLE = "TPOT against the emulated link's load ratio r = expert load / layer step (per model and tier)"
-# The paper's hardware (A100, PCIe 4.0): r per real model, an estimate (conf/model/*.yaml).
+# The earlier hand estimate of r per real model (a sweep without a `point` column is marked with these).
 OPERATING_POINTS = {"dsv2": 0.7, "qwen15moe": 0.7, "phi35moe": 6.0}
 REFERENCE, BASELINE, OURS = "target_only", "offload_ar", "specter"
 NEEDED = {"model", "memory", "method", "load_ratio", "tpot_ms"}
@@ -49,7 +50,7 @@ def sweep_table(results: ResultSet) -> pd.DataFrame:
     table = table.sort_values(["_m", "_t", "load_ratio", "_k"]).drop(columns=["_m", "_t", "_k"])
     lead = ["model", "memory", "load_ratio", "method", "effective_load_ratio", "effective_load_ratio_min",
             "effective_load_ratio_max", "load_ratio_off", "tpot_ms", "speedup_vs_offload_ar"]
-    rest = [c for c in ("records", "layer_step_ms", "expert_load_ms", "acceptance_alpha", "h2d_mb_per_token", "run")
+    rest = [c for c in ("point", "records", "layer_step_ms", "expert_load_ms", "acceptance_alpha", "h2d_mb_per_token", "run")
             if c in table.columns]
     return table[lead + rest].reset_index(drop=True)
 
@@ -58,10 +59,24 @@ def operating_point(model: str) -> float | None:
     return OPERATING_POINTS.get(REAL_OF_TINY.get(model, model))
 
 
-def _mark_operating_points(ax, model: str) -> None:
+def named_points(table: pd.DataFrame, model: str) -> dict[float, str]:
+    """The sweep's named ratios for one model (its `point` column: the device file the emulated link's
+    default models, and the legacy estimate); a sweep without the column gets the legacy estimate."""
+    if "point" in table:
+        d = table[(table.model == model) & table.point.fillna("").astype(str).ne("")]
+        if not d.empty:
+            return dict(zip(d.load_ratio.astype(float), d.point.astype(str)))
     own = operating_point(model)
-    for r in sorted(set(OPERATING_POINTS.values())):
-        ax.axvline(r, color="#555555", lw=1.1 if r == own else 0.7, ls="-" if r == own else ":", alpha=0.8, zorder=1)
+    return {} if own is None else {own: "legacy estimate"}
+
+
+def _mark_operating_points(ax, points: dict[float, str]) -> None:
+    """The model's calibrated device point solid, the legacy estimate dotted, each labelled at the top."""
+    for r, name in sorted(points.items()):
+        legacy = name == "legacy estimate"
+        ax.axvline(r, color="#555555", lw=0.8 if legacy else 1.2, ls=":" if legacy else "-", alpha=0.8, zorder=1)
+        ax.text(r, 1.0, f" {'legacy' if legacy else name.split('_')[0]}", transform=ax.get_xaxis_transform(),
+                fontsize=6, color="#555555", va="top", ha="left", rotation=90)
 
 
 def _plot(ax, d: pd.DataFrame, y: str, color: str, **kw) -> None:
@@ -105,7 +120,7 @@ def build(results: ResultSet, out: Output) -> None:
                     ax.axhline(m.tpot_ms.median(), color=colors[method], lw=1.2, ls="--", zorder=2)
                     continue
                 _plot(ax, m, "tpot_ms", colors[method], marker="o")
-            _mark_operating_points(ax, model)
+            _mark_operating_points(ax, named_points(table, model))
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             style_axes(ax, f"{model}, {tier} memory", ylabel="TPOT (ms/token)" if c == 0 else None)

@@ -83,7 +83,16 @@ def validate(cfg: DictConfig) -> None:
     _require(hw.bandwidth_gbps is None or hw.bandwidth_gbps > 0,
              f"hardware.bandwidth_gbps must be > 0 (or null to calibrate), got {hw.bandwidth_gbps}")
     _require(hw.latency_us is None or hw.latency_us >= 0, f"hardware.latency_us must be >= 0, got {hw.latency_us}")
-    _require(cfg.model.load_ratio > 0, f"model.load_ratio must be > 0, got {cfg.model.load_ratio}")
+    ratio = cfg.model.get("load_ratio")
+    _require(ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
+                               and ratio > 0),
+             f"model.load_ratio must be a finite number > 0 (or null: from the cost model), got {ratio}")
+    bits, gs = cfg.model.get("draft_bits", 4), cfg.model.get("draft_group_size", 128)
+    _require(bits in (2, 3, 4), f"model.draft_bits must be 2, 3 or 4 (the INT4 layout holds them all), got {bits!r}")
+    _require(isinstance(gs, int) and gs >= 8 and gs % 8 == 0,
+             f"model.draft_group_size must be a multiple of 8, got {gs!r}")
+    if hw.link == "emulated" and hw.bandwidth_gbps is None:
+        load_ratio_of(cfg)  # a ratio the cost model cannot give is refused before any model loads
     _require(hw.get("load_ratio_tolerance", 0.25) > 0,
              f"hardware.load_ratio_tolerance must be > 0 (relative), got {hw.get('load_ratio_tolerance')}")
     _require(hw.get("ratio_probe_steps", 0) >= 0, f"hardware.ratio_probe_steps must be >= 0, got {hw.get('ratio_probe_steps')}")
@@ -198,6 +207,25 @@ def _method_values(cfg: DictConfig) -> None:
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     _require(value in choices, f"unknown {key} {value!r}; choose one of {list(choices)}")
+
+
+def load_ratio_of(cfg: DictConfig) -> tuple[float, str]:
+    """The emulated link's load ratio and where it comes from: `model.load_ratio` when set, else the
+    cost model of the real model this one stands for (`model.real`, or the model itself) on the
+    device file `hardware.device_model` (`specter.projection.link_ratio`)."""
+    stated = cfg.model.get("load_ratio")
+    if stated is not None:
+        return float(stated), "model.load_ratio (set)"
+    from specter.projection.link_ratio import DEFAULT_DEVICE, link_ratio
+
+    real = cfg.model.get("real") or cfg.model.name
+    device = cfg.hardware.get("device_model") or DEFAULT_DEVICE
+    try:
+        lr = link_ratio(str(real), str(device))
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"model.load_ratio=null takes the ratio from the cost model of {real} on "
+                          f"hardware.device_model={device}, which failed: {err}; set model.load_ratio=<r>") from None
+    return lr.ratio, lr.source
 
 
 def effective_K(cfg: DictConfig) -> int:

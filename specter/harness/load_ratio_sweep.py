@@ -49,6 +49,32 @@ def sweep_settings(cfg: DictConfig) -> tuple[list[str], list[str], list[float], 
     return models, tiers, ratios, methods
 
 
+NAMED_POINTS = ("legacy", "device")
+
+
+def named_ratios(cfg: DictConfig, model: str) -> dict[float, str]:
+    """The named points of `load_ratio_sweep.points` for one model, ratio -> name: `legacy` (the hand
+    estimate the emulated link used before: 0.7, or 6 for Phi) and `device` (the cost model of the real
+    model on hardware.device_model, what a run with no model.load_ratio emulates)."""
+    from specter.projection.link_ratio import DEFAULT_DEVICE, LEGACY_ESTIMATE, link_ratio
+
+    points = list(cfg.load_ratio_sweep.get("points") or [])
+    unknown = [p for p in points if p not in NAMED_POINTS]
+    if unknown:
+        raise ConfigError(f"load_ratio_sweep.points: unknown {unknown}; choose from {list(NAMED_POINTS)}")
+    if not points:
+        return {}
+    node = _group("model", model) if model != cfg.model.name else cfg.model
+    real = str(node.get("real") or model)
+    device = str(cfg.hardware.get("device_model") or DEFAULT_DEVICE)
+    out: dict[float, str] = {}
+    if "legacy" in points and real in LEGACY_ESTIMATE:
+        out[LEGACY_ESTIMATE[real]] = "legacy estimate"
+    if "device" in points:
+        out[round(link_ratio(real, device).ratio, 3)] = device
+    return out
+
+
 def ratio_label(r: float) -> str:
     """Folder name of one ratio: r=0.25, r=1, r=8."""
     return f"r={r:g}"
@@ -104,15 +130,18 @@ def load_ratio_sweep(cfg: DictConfig) -> Path:
             print(f"\n== {model} {method} (no link: one run for every r) ==", flush=True)
             out = run(cell_config(cfg, model, tiers[0], method, None, root / model / method))
             rec = pd.read_csv(out / "records.csv")
-            rows += [cell_row(rec, model=model, memory=t, hardware=cfg.hardware.name, method=method, load_ratio=r)
-                     for t in tiers for r in ratios]
+            named = named_ratios(cfg, model)
+            rows += [cell_row(rec, model=model, memory=t, hardware=cfg.hardware.name, method=method, load_ratio=r,
+                              point=named.get(r, "")) for t in tiers for r in sorted({*ratios, *named})]
+        named = named_ratios(cfg, model)
         for tier in tiers:
-            for r in ratios:
+            for r in sorted({*ratios, *named}):
                 for method in (m for m in methods if m not in LINKLESS):
                     print(f"\n== {model} memory={tier} {ratio_label(r)} {method} ==", flush=True)
                     out = run(cell_config(cfg, model, tier, method, r, root / model / tier / ratio_label(r) / method))
                     rows.append(cell_row(pd.read_csv(out / "records.csv"), model=model, memory=tier,
-                                         hardware=cfg.hardware.name, method=method, load_ratio=r))
+                                         hardware=cfg.hardware.name, method=method, load_ratio=r,
+                                         point=named.get(r, "")))
                     _write(root, rows)
     table = _write(root, rows)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))

@@ -351,11 +351,22 @@ class Specter(Method):
 
     def environment(self) -> dict[str, Any]:
         return {**self.rt.environment(), "K": self.K, "draft_quant": self.quant, "draft_bytes": self.draft_bytes,
-                "draft_kernel": self.kernel_choice.as_dict(),
+                "draft_precision": draft_precision(self.spec), "draft_kernel": self.kernel_choice.as_dict(),
                 "planner_state": self.engine.planner_state, **self.draft_info}
 
     def close(self) -> None:
         self.rt.close()
+
+
+def draft_precision(spec: MethodSpec) -> dict[str, Any]:
+    """The draft's precision as run (env.json): GPTQ bits and group size, and whether that is the paper's
+    INT4 g128 or a proxy's acceptance calibration (the projection always charges INT4 g128)."""
+    if spec.quant != "gptq":
+        return {"bits": 4, "group_size": 128, "source": f"{spec.quant} INT4 (bits apply to GPTQ drafts only)"}
+    paper = (spec.draft_bits, spec.draft_group_size) == (4, 128)
+    return {"bits": spec.draft_bits, "group_size": spec.draft_group_size,
+            "source": "the paper's INT4 g128" if paper else
+            f"calibrated: model.draft_bits={spec.draft_bits} puts {spec.model}'s acceptance in the paper's band"}
 
 
 def autoregressive_window(cfg: DictConfig) -> int:

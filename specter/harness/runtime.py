@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError, bind_checkpoint, effective_K, resident_experts
+from specter.harness.config import ConfigError, bind_checkpoint, effective_K, load_ratio_of, resident_experts
 from specter.harness.load_ratio import probe_decoder
+from specter.harness.real_plan import planned_slots
 from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
 from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
 from specter.moe import DraftExecutor, MoERuntime, TargetExecutor
@@ -83,11 +84,13 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
     if staging is not None and (isinstance(staging, bool) or not isinstance(staging, int) or staging < 0):
         raise ConfigError(f"method.staging_buffers must be an integer >= 0 (or null = fit the budget), got {staging!r}")
     sizes = tuple(cfg.batch.sizes) if cfg.get("experiment") == "batch" and cfg.get("batch") else (1,)
+    ratio, ratio_source = load_ratio_of(cfg) if hw.link == "emulated" else (1.0, "")
     return MethodSpec(
         method=str(m.name), model=str(cfg.model.name), memory=str(mem.name), device=str(device), dtype=str(hw.dtype),
         sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k),
         K=effective_K(cfg) if speculative else 0,
         quant=m.get("quant") if speculative else None, draft_kernel=str(hw.get("draft_kernel") or "auto"),
+        draft_bits=int(cfg.model.get("draft_bits") or 4), draft_group_size=int(cfg.model.get("draft_group_size") or 128),
         calibration=calibration_spec(cfg),
         prefetch=str(m.get("prefetch") or "none"), planner=PlannerConfig(**(m.get("planner") or {})),
         planner_state=str(m.get("planner_state") or "warm"), schedule=str(m.get("schedule") or "expert"),
@@ -96,11 +99,12 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
         staging_per_layer=float(m.get("staging_per_layer", STAGING_PER_LAYER)),
         budget=budget_spec(cfg),
         link=LinkSpec(kind=str(hw.link), bandwidth_gbps=hw.get("bandwidth_gbps") or None,
-                      latency_us=hw.get("latency_us"), load_ratio=float(cfg.model.get("load_ratio", 1.0)),
+                      latency_us=hw.get("latency_us"), load_ratio=ratio, load_ratio_source=ratio_source,
                       recalibrate=bool(hw.get("recalibrate"))),
         sequence_tokens=int(cfg.prefix_tokens + cfg.max_new_tokens), batch_sizes=sizes,
         verify_lossless=bool(cfg.get("verify_lossless")), tie_tolerance=float(cfg.get("lossless_tie_tolerance", 0.0)),
         trace_windows=bool(m.get("trace_windows")),
+        planned=planned_slots(cfg),
     )
 
 
@@ -147,7 +151,8 @@ def link_params(spec: MethodSpec, checkpoint: Path, expert_bytes: int, digest: s
     print(f"emulated link for {spec.model}: layer step {params.per_layer_step_s * 1e3:.3f} ms x load_ratio "
           f"{params.load_ratio} -> expert load {params.expert_load_s * 1e3:.3f} ms ({expert_bytes / 1e6:.2f} MB at "
           f"{params.bandwidth_bytes_per_s / 1e9:.3f} GB/s + {params.latency_s * 1e6:.0f} us) "
-          f"[layer step {params.calibration_source}; calibration: {path}]",
+          f"[layer step {params.calibration_source}; calibration: {path}]\n"
+          f"  load_ratio {params.load_ratio:.3g} from {link.load_ratio_source or 'model.load_ratio'}",
           flush=True)
     return params
 
@@ -196,7 +201,8 @@ def build_runtime(spec: MethodSpec, checkpoint: Path, resident: int | None = Non
     cache.reset()  # the KV probe above ran through the cache
     full = non_expert + expert_bytes * len(layers) * om.num_experts
     decoder = compact_over(om.model, spec.sequence_tokens + K + 2) if spec.decode_path == "compact" else None
-    return Runtime(om, cache, link, moe, params, footprint, spec.budget.resolve(full), M, digest, decoder)
+    return Runtime(om, cache, link, moe, params, footprint, spec.budget.resolve(full), M, digest, decoder,
+                   planned=spec.planned)
 
 
 def staging_for(spec: MethodSpec, rt: Runtime, footprint: Footprint) -> int:
@@ -214,7 +220,14 @@ def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None =
     cache of `resident` slots per layer and `staging` buffers (`rt`'s own when the size is the same),
     a MoE runtime with the draft experts attached, the draft's bytes in the footprint (and a
     separate draft's own `non_expert` copy, `kv_cache` and `scratch`); refused if over budget.
-    Nothing is reassigned after."""
+    Nothing is reassigned after.
+
+    A runtime sized by the real model's plan (`rt.planned`, harness.real_plan) takes the plan's slots and
+    staging instead of the method's own sizing on the tiny tier, and the plan's budget check stands for
+    the tiny tier's (the method's own numbers stay in its env.json entries)."""
+    planned = rt.planned
+    if planned is not None:
+        resident, staging = planned.resident, planned.staging(len(rt.om.moe_layers))
     if not 1 <= resident <= rt.om.num_experts:
         raise ConfigError(f"{resident} resident experts per layer: need 1..{rt.om.num_experts}")
     old = rt.cache
@@ -228,7 +241,8 @@ def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None =
                         kv_cache=rt.footprint.kv_cache + sep.get("kv_cache", 0),
                         scratch=rt.footprint.scratch + sep.get("scratch", 0))
     final = replace(rt, cache=cache, moe=moe, resident=resident, footprint=footprint)
-    final.check_budget(what + (f" with {staging} staging buffers" if staging else ""))
+    if planned is None:
+        final.check_budget(what + (f" with {staging} staging buffers" if staging else ""))
     return final
 
 
@@ -266,8 +280,9 @@ def calibration_batches(cal: CalibrationSpec, tokenizer, device: torch.device,
     return batches
 
 
-def gptq_draft_for(spec: MethodSpec, rt: Runtime, checkpoint: Path, group_size: int = 128):
-    """The GPTQ draft of this run: cached under $SPECTER_HOME keyed by weights and calibration tokens."""
+def gptq_draft_for(spec: MethodSpec, rt: Runtime, checkpoint: Path):
+    """The GPTQ draft of this run (`spec.draft_bits` bits, groups of `spec.draft_group_size`): cached under
+    $SPECTER_HOME keyed by weights, precision and calibration tokens."""
     from transformers import AutoTokenizer
 
     from specter.quant.calibration import calibration_digest, gptq_draft
@@ -275,8 +290,10 @@ def gptq_draft_for(spec: MethodSpec, rt: Runtime, checkpoint: Path, group_size: 
     if spec.calibration.prompts < 1:
         raise ConfigError(f"method.calibration_prompts must be >= 1, got {spec.calibration.prompts}")
     batches = calibration_batches(spec.calibration, AutoTokenizer.from_pretrained(checkpoint), rt.cache.device)
+    bits, group_size = spec.draft_bits, spec.draft_group_size
+    bits_tag = "" if bits == 4 else f"b{bits}-"  # the paper's INT4 keeps its archive name
     path = (specter_home() / "drafts" / f"{safe_name(spec.model, 'model.name')}-{rt.weights_digest[:12]}"
-            / f"gptq-gs{group_size}-{calibration_digest(batches)[:12]}.safetensors")
+            / f"gptq-{bits_tag}gs{group_size}-{calibration_digest(batches)[:12]}.safetensors")
     t = time.perf_counter()
-    layers, info = gptq_draft(rt, batches, path, group_size)
+    layers, info = gptq_draft(rt, batches, path, group_size, bits)
     return layers, {**info, "draft_build_s": round(time.perf_counter() - t, 2)}

@@ -30,9 +30,15 @@ class ModelConfig:
     top_k: Optional[int] = None  # experts per token; null = the checkpoint's (a stated value must match it)
     K: int = MISSING  # the model's default speculation depth (the paper's profiled K)
     context_length: int = MISSING
-    load_ratio: float = MISSING  # (one expert load over the real link) / (one layer's draft step)
+    # (one expert load over the real link) / (one layer's draft step); null = from the cost model of `real`
+    # (or this model) on hardware.device_model (specter/projection/link_ratio.py)
+    load_ratio: Optional[float] = None
     tiers: dict[str, TierConfig] = field(default_factory=dict)
     trained: bool = False  # tiny models: the briefly trained variant
+    # the GPTQ draft's precision in the INT4 layout: the paper's 4 bits, groups of 128; a tiny model states the
+    # bits that put its draft's acceptance where the real one's is (docs/tiny_models.md, "Acceptance")
+    draft_bits: int = 4
+    draft_group_size: int = 128
     real: Optional[str] = None  # tiny models: the real model mirrored
     hf_id: Optional[str] = None
     revision: Optional[str] = None
@@ -45,6 +51,9 @@ class MemoryConfig:
     name: str = MISSING
     budget_mb: Optional[float] = None  # overrides the model's tier budget
     resident_experts: Optional[int] = None  # overrides the model's tier M
+    # a tiny model's cache sizes: real_plan (each method's slots and staging as experiment=plan gives the real
+    # model at this tier; specter/harness/real_plan.py) | budget (each method sizes itself in the tiny tier's bytes)
+    slots: str = "real_plan"
 
 
 @dataclass
@@ -66,6 +75,7 @@ class HardwareConfig:
     load_ratio_tolerance: float = 0.25  # a record whose effective load ratio is off the configured one by more (relative) is flagged
     ratio_probe_steps: int = 36  # decode steps of the in-run layer-step probe around each record (0: no probe)
     draft_kernel: str = "auto"  # INT4 draft MoE kernel on CUDA: auto | triton | marlin | torch
+    device_model: str = "a100_40gb_pcie4"  # the device file (specter/projection/devices/) the emulated link's default load ratio models
     gpu_memory_gb: Optional[float] = None  # experiment=plan: the GPU's memory in GB (null = an A100 40 GB)
 
 
@@ -120,6 +130,9 @@ class LoadRatioSweepConfig:
     methods: list[str] = field(default_factory=lambda: ["target_only", "offload_ar", "mo_sm", "specmoeoff", "specter"])
     tiers: list[str] = field(default_factory=lambda: ["high", "low"])
     models: Optional[list[str]] = None  # null = the run's model
+    # named per-model points added to `ratios`: legacy (the old hand estimate 0.7 / 6) and device (the cost
+    # model on hardware.device_model: what a run without model.load_ratio emulates)
+    points: list[str] = field(default_factory=lambda: ["legacy", "device"])
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Calibrate the emulated link: one expert load costs `load_ratio` x one layer's decode step.
 
-The ratio is what PCIe 4.0 has to an A100 layer step for the real model (~0.7 for
-DeepSeek-V2-Lite and Qwen1.5-MoE, ~6 for Phi-3.5-MoE; an estimate). By default the layer step is
+The ratio is what the projection's cost model gives the real model on a device file: one expert's
+H2D over one draft layer step (`specter.projection.link_ratio`; ~3.8 for DeepSeek-V2-Lite, ~3.5 for
+Qwen1.5-MoE, ~30 for Phi-3.5-MoE on the paper's A100 over PCIe 4.0). By default the layer step is
 measured again in each run's warm-up (`recalibrate=True`), so the link a run uses follows the
 machine as it is at that moment; the last measurement is cached (a JSON file the caller names)
 and is what a run with `recalibrate=False` reuses.

@@ -35,6 +35,7 @@ class Runtime:
     resident: int  # M: device slots per MoE layer
     weights_digest: str = ""
     decoder: Any = None  # the compact decoder over `model`'s tensors (decode_path=compact), else None
+    planned: Any = None  # slots and staging from the real model's plan (harness.real_plan.PlannedSlots), else None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -74,7 +75,8 @@ class Runtime:
         return {"link": self.link_params.as_dict(), "resident_experts_per_layer": self.resident,
                 "staging_buffers": self.cache.staging, "expert_bytes": self.om.store.nbytes_per_expert,
                 "moe_layers": self.om.moe_layers, "footprint_bytes": self.footprint.record(self.budget_bytes),
-                "budget_bytes": self.budget_bytes, "weights_sha256": self.weights_digest}
+                "budget_bytes": self.budget_bytes, "weights_sha256": self.weights_digest,
+                "slots_source": self.planned.source if self.planned is not None else "the tier's own budget"}
 
     def record_fields(self) -> dict[str, int]:
         """The record columns of this device layout (the same for every record of a run)."""

@@ -103,19 +103,20 @@ def calibration_digest(batches: list[torch.Tensor]) -> str:
 
 
 def gptq_draft(rt, batches: list[torch.Tensor], path: Path,
-               group_size: int = 128) -> tuple[dict[int, Int4ExpertLayer], dict]:
+               group_size: int = 128, bits: int = 4) -> tuple[dict[int, Int4ExpertLayer], dict]:
     """The GPTQ draft for these calibration batches: loaded from `path`, else quantized and saved there."""
     from specter.quant.draft import layer_weights
     from specter.quant.gptq import gptq_quantize_experts
 
     if path.exists() and path.with_suffix(".sha256").exists():  # no checksum: an interrupted build, redo it
-        return load_draft(path), {"draft_archive": str(path), "cached": True}
+        return load_draft(path), {"draft_archive": str(path), "cached": True, "bits": bits}
     inputs = capture_expert_inputs(rt, batches)
     layers = {}
     for layer in rt.om.moe_layers:
         gate_up, down = layer_weights(rt.om.store, layer)
-        layers[layer] = gptq_quantize_experts(gate_up, down, inputs[layer], rt.om.experts[layer].act_fn, group_size)
+        layers[layer] = gptq_quantize_experts(gate_up, down, inputs[layer], rt.om.experts[layer].act_fn, group_size,
+                                              bits=bits)
     save_draft(path, layers)
     fallback = sum(len(d.rtn_fallback_experts) for d in layers.values())
-    return layers, {"draft_archive": str(path), "cached": False, "calibration_prompts": len(batches),
+    return layers, {"draft_archive": str(path), "cached": False, "calibration_prompts": len(batches), "bits": bits,
                     "rtn_fallback_experts": fallback}

@@ -27,18 +27,30 @@ from specter.quant.int4 import (MAXQ, ZERO_POINT, Int4Experts, Int4ExpertLayer, 
                                 concat_experts, default_group_size, dequantize, pack_codes, quantize_rtn)
 
 Engine = Literal["gptqmodel", "builtin"]
+DRAFT_BITS = (2, 3, 4)  # the paper's draft is 4; fewer bits are a calibration of a proxy's acceptance
 ActFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _sym_scale(w: torch.Tensor) -> torch.Tensor:
-    """GPTQ's symmetric scale per row of w [N, gs]: 2·absmax/15 (1 for all-zero rows)."""
+def _sym_scale(w: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """GPTQ's symmetric scale per row of w [N, gs]: 2·absmax/(2^bits - 1) (1 for all-zero rows)."""
     amax = w.abs().amax(dim=1)
-    return torch.where(amax > 0, amax * (2.0 / MAXQ), torch.ones_like(amax))  # [N]
+    return torch.where(amax > 0, amax * (2.0 / (2**bits - 1)), torch.ones_like(amax))  # [N]
+
+
+def check_bits(bits: int) -> int:
+    """Draft precision: GPTQ's symmetric grid of 2^bits levels, stored in the INT4 layout (codes
+    centred on the INT4 zero point 8), so every kernel runs any of them unchanged."""
+    if bits not in DRAFT_BITS:
+        raise ValueError(f"draft bits must be one of {DRAFT_BITS}, got {bits!r}")
+    return bits
 
 
 def gptq_reference(w: torch.Tensor, x: torch.Tensor, group_size: int = 128, damp_percent: float = 0.01,
-                   block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ of one linear w [N, K] from inputs x [n, K] -> (codes [N, K] in [0, 15], scales [N, K/gs] fp32)."""
+                   block_size: int = 128, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ of one linear w [N, K] from inputs x [n, K] -> (codes [N, K] in [0, 15], scales [N, K/gs] fp32).
+
+    With bits < 4 the codes use 2^bits levels around the INT4 zero point (8 - 2^(bits-1) .. 8 + 2^(bits-1) - 1)."""
+    maxq, zero = 2**check_bits(bits) - 1, 2 ** (bits - 1)
     n_out, k = w.shape
     W = w.detach().float().clone()  # [N, K], updated in place by the error feedback
     X = x.detach().float().reshape(-1, k)  # [n, K]
@@ -59,12 +71,12 @@ def gptq_reference(w: torch.Tensor, x: torch.Tensor, group_size: int = 128, damp
         for i in range(b1 - b0):
             col = b0 + i
             if col % group_size == 0:  # as in GPTQ: scales from W as updated up to this block's start
-                scale = _sym_scale(W[:, col:col + group_size])
+                scale = _sym_scale(W[:, col:col + group_size], bits)
                 scales[:, col // group_size] = scale
             wcol = W1[:, i]
-            q = torch.clamp(torch.round(wcol / scale) + ZERO_POINT, 0, MAXQ)  # [N]
-            codes[:, col] = q.to(torch.uint8)
-            err = (wcol - (q - ZERO_POINT) * scale) / Hinv1[i, i]  # [N]
+            q = torch.clamp(torch.round(wcol / scale) + zero, 0, maxq)  # [N], on the 2^bits grid
+            codes[:, col] = (q - zero + ZERO_POINT).to(torch.uint8)
+            err = (wcol - (q - zero) * scale) / Hinv1[i, i]  # [N]
             W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
             Err1[:, i] = err
         W[:, b1:] -= Err1 @ Hinv[b0:b1, b1:]
@@ -72,7 +84,7 @@ def gptq_reference(w: torch.Tensor, x: torch.Tensor, group_size: int = 128, damp
 
 
 def gptqmodel_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_percent: float,
-                     act_group_aware: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     act_group_aware: bool, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """gptqmodel's GPTQ on one linear; same return convention as `gptq_reference`."""
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
     from specter.quiet import quiet_import
@@ -84,14 +96,14 @@ def gptqmodel_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_per
     n_out, k = w.shape
     linear = nn.Linear(k, n_out, bias=False, device=w.device)
     linear.weight.data = w.detach().float().clone()
-    qcfg = QuantizeConfig(bits=4, group_size=group_size, sym=True, desc_act=False, damp_percent=damp_percent,
+    qcfg = QuantizeConfig(bits=check_bits(bits), group_size=group_size, sym=True, desc_act=False, damp_percent=damp_percent,
                           act_group_aware=act_group_aware, fallback=None, offload_to_disk=False)
     task = GPTQ(linear, qcfg)
     task.quantizer.configure(perchannel=True)
     task.add_batch(x.detach().float().reshape(-1, k), None)
     q, scale, zero, g_idx, *_ = task.quantize(blocksize=128)  # q [N, K] on the grid, scale/zero [N, G]
     expected = torch.arange(k, device=g_idx.device) // group_size
-    if not torch.equal(g_idx.long(), expected) or not bool((zero == ZERO_POINT).all()):
+    if not torch.equal(g_idx.long(), expected) or not bool((zero == 2 ** (bits - 1)).all()):
         raise RuntimeError("gptqmodel returned a non-symmetric or reordered quantization")
     codes = codes_from_dequantized(q, scale, group_size)
     return codes.to(torch.uint8).to(w.device), scale.float().to(w.device)
@@ -108,13 +120,13 @@ def _pack_one(codes: torch.Tensor, scales: torch.Tensor, group_size: int, scale_
 
 def quantize_linear(w: torch.Tensor, x: torch.Tensor, group_size: int, damp_percent: float = 0.01,
                     engine: Engine = "gptqmodel", act_group_aware: bool = False,
-                    scale_dtype: torch.dtype = torch.float16) -> Int4Experts:
+                    scale_dtype: torch.dtype = torch.float16, bits: int = 4) -> Int4Experts:
     """GPTQ of one linear w [N, K] from inputs x [n, K] -> a one-expert `Int4Experts`."""
     x = x.to(w.device)
     if engine == "gptqmodel":
-        codes, scales = gptqmodel_linear(w, x, group_size, damp_percent, act_group_aware)
+        codes, scales = gptqmodel_linear(w, x, group_size, damp_percent, act_group_aware, bits)
     elif engine == "builtin":
-        codes, scales = gptq_reference(w, x, group_size, damp_percent)
+        codes, scales = gptq_reference(w, x, group_size, damp_percent, bits=bits)
     else:
         raise ValueError(f"unknown engine {engine!r}")
     return _pack_one(codes, scales, group_size, scale_dtype)
@@ -124,8 +136,8 @@ def gptq_quantize_experts(gate_up: Sequence[torch.Tensor], down: Sequence[torch.
                           inputs_per_expert: Sequence[torch.Tensor],
                           act_fn: ActFn, group_size: int = 128, *, damp_percent: float = 0.01,
                           engine: Engine = "gptqmodel", sequential: bool = True, act_group_aware: bool = False,
-                          scale_dtype: torch.dtype = torch.float16) -> Int4ExpertLayer:
-    """GPTQ INT4 of a layer's routed experts.
+                          scale_dtype: torch.dtype = torch.float16, bits: int = 4) -> Int4ExpertLayer:
+    """GPTQ INT4 (or `bits` < 4 in the INT4 layout) of a layer's routed experts.
 
     gate_up[e] [2I, H] (gate rows first), down[e] [H, I]: stacked tensors or per-expert views (one
     expert is quantized at a time); inputs_per_expert[e] = the hidden states [n_e, H] routed to
@@ -143,15 +155,15 @@ def gptq_quantize_experts(gate_up: Sequence[torch.Tensor], down: Sequence[torch.
         x_e = inputs_per_expert[e].reshape(-1, hidden)
         if x_e.shape[0] == 0:
             fallback.append(e)
-            gu_parts.append(quantize_rtn(gate_up[e][None], gs_gu, scale_dtype))
-            dn_parts.append(quantize_rtn(down[e][None], gs_dn, scale_dtype))
+            gu_parts.append(quantize_rtn(gate_up[e][None], gs_gu, scale_dtype, bits))
+            dn_parts.append(quantize_rtn(down[e][None], gs_dn, scale_dtype, bits))
             continue
-        gu_q = quantize_linear(gate_up[e], x_e, gs_gu, damp_percent, engine, act_group_aware, scale_dtype)
+        gu_q = quantize_linear(gate_up[e], x_e, gs_gu, damp_percent, engine, act_group_aware, scale_dtype, bits)
         w_gu = dequantize(gu_q, torch.float32)[0] if sequential else gate_up[e].float()  # [2I, H]
         gate, up = (x_e.float() @ w_gu.t().to(x_e.device)).chunk(2, dim=-1)  # [n_e, I] each
         a_e = act_fn(gate) * up  # [n_e, I]: the down projection's inputs
         gu_parts.append(gu_q)
-        dn_parts.append(quantize_linear(down[e], a_e, gs_dn, damp_percent, engine, act_group_aware, scale_dtype))
+        dn_parts.append(quantize_linear(down[e], a_e, gs_dn, damp_percent, engine, act_group_aware, scale_dtype, bits))
     return Int4ExpertLayer(concat_experts(gu_parts, "gptq", tuple(fallback)), concat_experts(dn_parts, "gptq", tuple(fallback)))
 
 

@@ -155,11 +155,13 @@ def concat_experts(parts: Sequence[Int4Experts], method: Method = "rtn", rtn_fal
 RTN_BLOCK_ELEMENTS = 1 << 24
 
 
-def quantize_rtn(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float16) -> Int4Experts:
+def quantize_rtn(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float16,
+                 bits: int = BITS) -> Int4Experts:
     """Round-to-nearest symmetric INT4 of an expert stack `w [E, N, K]` (K % group_size == 0).
 
     Per group: scale = 2·absmax/15 (GPTQ's symmetric grid), code = clamp(round(w/scale) + 8, 0, 15).
-    Every weight is within scale/2 of its dequantized value. Rows are quantized in blocks of about
+    Every weight is within scale/2 of its dequantized value. `bits` < 4 uses 2^bits levels around the
+    same zero point (scale = 2·absmax/(2^bits - 1)), in the same layout. Rows are quantized in blocks of about
     RTN_BLOCK_ELEMENTS (groups never straddle rows, so the result does not depend on the block).
     """
     if w.dim() != 3:
@@ -169,20 +171,22 @@ def quantize_rtn(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtyp
         raise ValueError(f"K={k} must be a multiple of group_size={group_size}, itself a multiple of {PACK}")
     rows = max(1, RTN_BLOCK_ELEMENTS // max(k, 1))
     if e * n <= rows:
-        return _quantize_rtn_rows(w, group_size, scale_dtype)
+        return _quantize_rtn_rows(w, group_size, scale_dtype, bits)
     flat = w.reshape(1, e * n, k)
-    parts = [_quantize_rtn_rows(flat[:, r:r + rows], group_size, scale_dtype) for r in range(0, e * n, rows)]
+    parts = [_quantize_rtn_rows(flat[:, r:r + rows], group_size, scale_dtype, bits) for r in range(0, e * n, rows)]
     return Int4Experts(torch.cat([p.qweight for p in parts], 1).reshape(e, n, -1),
                        torch.cat([p.scales for p in parts], 1).reshape(e, n, -1), group_size, method="rtn")
 
 
-def _quantize_rtn_rows(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> Int4Experts:
+def _quantize_rtn_rows(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype, bits: int = BITS) -> Int4Experts:
     e, n, k = w.shape
+    maxq, zero = 2**bits - 1, 2 ** (bits - 1)
     wg = w.detach().float().reshape(e, n, k // group_size, group_size)  # [E, N, G, gs]
     amax = wg.abs().amax(-1)  # [E, N, G]
-    scale = torch.where(amax > 0, amax * (2.0 / MAXQ), torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (2.0 / maxq), torch.ones_like(amax))
     scale = _round_scale_up(scale, scale_dtype)  # [E, N, G]
-    codes = torch.clamp(torch.round(wg / scale.float().unsqueeze(-1)) + ZERO_POINT, 0, MAXQ)  # [E, N, G, gs]
+    q = torch.clamp(torch.round(wg / scale.float().unsqueeze(-1)) + zero, 0, maxq)  # [E, N, G, gs] on the 2^bits grid
+    codes = q - zero + ZERO_POINT  # the INT4 layout's codes
     return Int4Experts(pack_codes(codes.reshape(e, n, k)), scale, group_size, method="rtn")
 
 

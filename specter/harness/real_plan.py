@@ -1,0 +1,90 @@
+"""A tiny model's cache sizes taken from the real model's memory plan, so a CPU cell and a projected
+cell compare the same memory split.
+
+A tiny model keeps its experts in fp32 and its INT4 draft is cheap beside them, so its own tier
+budget pays for a different split than the real model's (same-memory MO-SM held 25 slots on
+tiny_dsv2 at the high tier where DeepSeek-V2-Lite's plan gives it 32). With `memory.slots=real_plan`
+(the default for a tiny model that names its `real` model) every offloading method runs with the
+resident slots per layer that `experiment=plan` computes for the real model at the same tier, on the
+paper's GPU and dtype (hardware=cuda, an A100 40 GB), and with the plan's staging buffers per MoE
+layer scaled to the tiny model's layer count. The plan's own budget check is the one that counts:
+a method that does not fit the real model's tier is refused as it would be there.
+
+`memory.slots=budget` keeps the tiny model's own budget rule (each method sizes itself against
+the tiny tier's bytes); an explicit `memory.resident_experts` or `memory.budget_mb` does too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from specter.harness.config import ConfigError, effective_K
+
+SLOT_SOURCES = ("real_plan", "budget")
+
+
+@dataclass(frozen=True)
+class PlannedSlots:
+    """One method's cache on a tiny model, as the real model's plan sizes it."""
+
+    resident: int  # slots per MoE layer (the real model's, unchanged: the tiny models keep E and top-k)
+    staging_per_layer: float  # the plan's staging buffers over the real model's MoE layers
+    source: str  # e.g. "plan of dsv2 at memory=high (A100 40 GB, float16)"
+
+    def staging(self, moe_layers: int) -> int:
+        """Staging buffers for a model with `moe_layers` MoE layers (shared by all layers, as on the real one)."""
+        return int(round(self.staging_per_layer * moe_layers))
+
+
+def wants_real_plan(cfg: DictConfig) -> bool:
+    """Whether this run sizes its cache from the real model's plan."""
+    mem, m = cfg.memory, cfg.model
+    source = str(mem.get("slots") or "real_plan")
+    if source not in SLOT_SOURCES:
+        raise ConfigError(f"memory.slots={source!r}: choose one of {', '.join(SLOT_SOURCES)}")
+    user_sized = mem.get("resident_experts") is not None or mem.get("budget_mb") is not None
+    return source == "real_plan" and m.get("source") == "tiny" and bool(m.get("real")) and not user_sized
+
+
+def real_plan_config(cfg: DictConfig) -> DictConfig:
+    """The run's config with the real model in place of the tiny one, on the paper's GPU and dtype."""
+    from specter.harness.compose import CONF_DIR, hardware_defaults
+    from specter.harness.schema import HardwareConfig, ModelConfig
+
+    real = str(cfg.model.real)
+    path = CONF_DIR / "model" / f"{real}.yaml"
+    if not path.exists():
+        raise ConfigError(f"{cfg.model.name} mirrors model.real={real!r}, which has no conf/model/{real}.yaml")
+    data = OmegaConf.load(path)
+    data.pop("defaults", None)
+    plan = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    with open_dict(plan):
+        plan.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), data)
+        plan.hardware = OmegaConf.merge(OmegaConf.structured(HardwareConfig), hardware_defaults("cuda"))
+        plan.batch = {"sizes": [1]}
+        plan.K = effective_K(cfg)  # the run's window: its KV and scratch are in the plan's bytes
+        plan.pop("k_profile", None)
+    return plan
+
+
+def planned_slots(cfg: DictConfig) -> PlannedSlots | None:
+    """The run's method sized by the real model's plan at this tier, or None (not a tiny model with a
+    real one, `memory.slots=budget`, a user-sized tier, or a method the plan does not size)."""
+    if not wants_real_plan(cfg):
+        return None
+    from specter.harness.plan import OFFLOADING, plan_rows
+
+    method = str(cfg.method.name)
+    if method not in OFFLOADING:
+        return None
+    plan_cfg = real_plan_config(cfg)
+    rows, facts = plan_rows(plan_cfg)
+    row = next(r for r in rows if r.method == method and r.batch == 1)
+    where = f"plan of {plan_cfg.model.name} at memory={cfg.memory.name} ({facts['gpu_bytes'] / 1e9:.0f} GB GPU, {facts['dtype']})"
+    if not row.fits_budget:
+        raise ConfigError(f"{method} at memory={cfg.memory.name} does not fit {plan_cfg.model.name}'s tier in its "
+                          f"{where}: {row.total / 1e9:.2f} GB > {row.budget / 1e9:.2f} GB; "
+                          "use memory=high, or memory.slots=budget for the tiny model's own budget")
+    return PlannedSlots(int(row.resident), row.staging / facts["moe_layers"], where)
