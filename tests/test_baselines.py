@@ -30,7 +30,9 @@ from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.sampling import SamplingParams
 
 CPU = torch.device("cpu")
-LINK = ["hardware=emulated", "hardware.bandwidth_gbps=2", "hardware.latency_us=5"]
+# memory.slots=budget: these tests check each method's own sizing rule against the tiny tier's bytes (the rule the
+# real model's plan applies at real sizes; tests/test_calibrated_machine.py checks the plan's slots on tiny models)
+LINK = ["hardware=emulated", "hardware.bandwidth_gbps=2", "hardware.latency_us=5", "memory.slots=budget"]
 PROMPTS = (torch.tensor([[17, 300, 45, 8, 512, 9, 77]]), torch.tensor([[3]]))
 N = 20
 

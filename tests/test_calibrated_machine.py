@@ -180,3 +180,32 @@ def test_draft_bits_are_validated() -> None:
 
     with pytest.raises(ConfigError, match="draft_bits"):
         validate(compose(["model=tiny_dsv2", "model.draft_bits=5"]))
+
+
+@pytest.mark.parametrize("tiny", sorted(REAL_OF))
+@pytest.mark.parametrize("tier", ["high", "low"])
+def test_every_offloading_method_has_a_plan_that_fits(tiny: str, tier: str) -> None:
+    from specter.harness.real_plan import planned_slots
+
+    for method in ("offload_ar", "mo_sc", "mo_sm", "specter", "specmoeoff", "specmoeoff_artifact", "moe_spec"):
+        planned = planned_slots(compose([f"model={tiny}", f"memory={tier}", f"method={method}"]))
+        row = _plan_row(REAL_OF[tiny], tier, method)
+        assert planned.resident == row.resident, (method, row)
+        assert row.fits_budget or "over the tier's budget" in planned.source  # run at the minimum, and said
+
+
+def test_planned_mo_sm_is_lossless(tiny_checkpoint) -> None:
+    from specter.harness.methods import build_method
+
+    prompt = torch.tensor([[17, 300, 45, 8, 512, 9, 77]])
+    outs = {}
+    for method in ("target_only", "mo_sm"):
+        cfg = compose(["model=tiny_phi", "memory=low", f"method={method}", "hardware=cpu"])
+        m = build_method(cfg, tiny_checkpoint("tiny_phi"))
+        try:
+            if method == "mo_sm":
+                assert m.rt.resident == _plan_row("phi35moe", "low", "mo_sm").resident
+            outs[method] = m.generate(prompt, 12, torch.Generator().manual_seed(0)).tokens
+        finally:
+            m.close()
+    assert outs["mo_sm"] == outs["target_only"]

@@ -21,7 +21,8 @@ from specter.offload.calibrate import (
 from specter.offload.link import EmulatedLink
 
 BASE = ["num_prompts=1", "max_new_tokens=3", "warmup_tokens=0", "progress=false", f"assets_dir={FIXTURES / 'datasets'}",
-        "method=offload_ar", "memory=low", "hardware=emulated", "hardware.threads=1"]
+        "method=offload_ar", "memory=low", "hardware=emulated", "hardware.threads=1",
+        "model.load_ratio=0.7"]  # a stated ratio: these tests time the link by hand
 
 
 cli = cli_in_process

@@ -42,15 +42,18 @@ def test_a_small_sweep_writes_one_row_per_cell(tmp_path, capsys, tiny_checkpoint
     args = ["experiment=load_ratio_sweep", "model=tiny_qwen", "model.trained=false", "num_prompts=1",
             "max_new_tokens=2", "warmup_tokens=0", "progress=false", f"assets_dir={FIXTURES / 'datasets'}",
             "load_ratio_sweep.ratios=[0.5,4]", "load_ratio_sweep.methods=[target_only,offload_ar]",
-            "load_ratio_sweep.tiers=[low]", "hardware.ratio_probe_steps=3", f"output_dir={out}"]
+            "load_ratio_sweep.tiers=[low]", "load_ratio_sweep.points=[legacy]", "hardware.ratio_probe_steps=3",
+            f"output_dir={out}"]
     threads = torch.get_num_threads()
     try:
         assert cli_mod.main(args) == 0, capsys.readouterr().err[-2000:]
     finally:
         torch.set_num_threads(threads)
     table = pd.read_csv(out / "load_ratio.csv")
-    assert sorted(zip(table.method, table.load_ratio)) == [("offload_ar", 0.5), ("offload_ar", 4.0),
-                                                            ("target_only", 0.5), ("target_only", 4.0)]
+    assert sorted(zip(table.method, table.load_ratio)) == [("offload_ar", 0.5), ("offload_ar", 0.7), ("offload_ar", 4.0),
+                                                            ("target_only", 0.5), ("target_only", 0.7),
+                                                            ("target_only", 4.0)]
+    assert set(table[table.load_ratio == 0.7].point) == {"legacy estimate"}  # the named point, per model
     assert (out / "tiny_qwen" / "low" / "r=0.5" / "offload_ar" / "records.csv").exists()
     assert (out / "tiny_qwen" / "target_only" / "records.csv").exists()
     linked = table[table.method == "offload_ar"].set_index("load_ratio")

@@ -114,7 +114,7 @@ def test_draft_and_link_caches_are_keyed_by_weights(replaced_weights, monkeypatc
     cfg = compose(["method=specter", "model=tiny_qwen", "hardware=emulated", "num_prompts=1", "allow_hub=false",
                    "assets_dir=/nonexistent", "method.calibration_prompts=1"])
     drafts, links = [], []
-    monkeypatch.setattr(calibration, "gptq_draft", lambda rt, batches, path, gs: (drafts.append(path), ({}, {}))[1])
+    monkeypatch.setattr(calibration, "gptq_draft", lambda rt, batches, path, gs, bits=4: (drafts.append(path), ({}, {}))[1])
     params = SimpleNamespace(per_layer_step_s=1e-3, load_ratio=0.7, expert_load_s=7e-4, bandwidth_bytes_per_s=1e9,
                              latency_s=1e-5, calibration_source="measured")
     monkeypatch.setattr(runtime, "calibrated_link", lambda eb, lr, path, *a, **k: (links.append(path), params)[1])
@@ -123,6 +123,10 @@ def test_draft_and_link_caches_are_keyed_by_weights(replaced_weights, monkeypatc
         runtime.gptq_draft_for(runtime.method_spec(cfg), rt, ckpt)
         runtime.link_params(runtime.method_spec(cfg), ckpt, 1024, checkpoint_digest(ckpt))
     assert len(set(drafts)) == 2 and len(set(links)) == 2
+    fewer_bits = compose(["method=specter", "model=tiny_qwen", "hardware=emulated", "num_prompts=1", "allow_hub=false",
+                          "assets_dir=/nonexistent", "method.calibration_prompts=1", "model.draft_bits=3"])
+    runtime.gptq_draft_for(runtime.method_spec(fewer_bits), rt, copy)  # another precision: another archive
+    assert len(set(drafts)) == 3 and "-b3-" in drafts[-1].name
 
 
 def test_random_tiny_model_is_verified_and_rebuilt(tmp_path, tiny_checkpoint, capsys):

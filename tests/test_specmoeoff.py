@@ -22,7 +22,9 @@ from specter.offload.budget import BudgetError
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.sampling import SamplingParams
 
-LINK = ["hardware=emulated", "hardware.bandwidth_gbps=2", "hardware.latency_us=5"]
+# memory.slots=budget: these tests check each method's own sizing rule against the tiny tier's bytes (the rule the
+# real model's plan applies at real sizes; tests/test_calibrated_machine.py checks the plan's slots on tiny models)
+LINK = ["hardware=emulated", "hardware.bandwidth_gbps=2", "hardware.latency_us=5", "memory.slots=budget"]
 PROMPT = torch.tensor([[17, 300, 45, 8, 512, 9, 77]])
 N = 16
 METHODS = ("specmoeoff", "specmoeoff_artifact")

@@ -132,7 +132,7 @@ def build(results: ResultSet, out: Output) -> None:
             if not s.empty:
                 _plot(ax, s, "speedup_vs_offload_ar", colors.get(OURS, "#0072B2"), marker="s", ls=tier_styles[tier])
         ax.axhline(1.0, color="black", lw=0.6)
-        _mark_operating_points(ax, model)
+        _mark_operating_points(ax, named_points(table, model))
         ax.set_xscale("log", base=2)
         style_axes(ax, f"{model}: Specter's speedup\nover Offload-AR", xlabel="load ratio r (×: effective r)",
                    ylabel="speedup (×)" if c == 0 else None)
