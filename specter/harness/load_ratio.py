@@ -121,7 +121,7 @@ def calibrate_after_warmup(cfg: DictConfig, checkpoint: Path, method: Any) -> fl
     if params.calibration_file:
         write_calibration(Path(params.calibration_file), step)
     print(f"emulated link re-timed after the warm-up: layer step {step * 1e3:.3f} ms (at build {built * 1e3:.3f} ms) "
-          f"x load_ratio {params.load_ratio} -> expert load {params.expert_load_s * 1e3:.3f} ms", flush=True)
+          f"x load_ratio {params.load_ratio:.3g} -> expert load {params.expert_load_s * 1e3:.3f} ms", flush=True)
     return step
 
 
