@@ -149,7 +149,7 @@ def link_params(spec: MethodSpec, checkpoint: Path, expert_bytes: int, digest: s
                                                                       spec.decode_path)),
                              latency_us=link.latency_us, recalibrate=link.recalibrate)
     print(f"emulated link for {spec.model}: layer step {params.per_layer_step_s * 1e3:.3f} ms x load_ratio "
-          f"{params.load_ratio} -> expert load {params.expert_load_s * 1e3:.3f} ms ({expert_bytes / 1e6:.2f} MB at "
+          f"{params.load_ratio:.3g} -> expert load {params.expert_load_s * 1e3:.3f} ms ({expert_bytes / 1e6:.2f} MB at "
           f"{params.bandwidth_bytes_per_s / 1e9:.3f} GB/s + {params.latency_s * 1e6:.0f} us) "
           f"[layer step {params.calibration_source}; calibration: {path}]\n"
           f"  load_ratio {params.load_ratio:.3g} from {link.load_ratio_source or 'model.load_ratio'}",
