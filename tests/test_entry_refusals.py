@@ -279,6 +279,12 @@ def test_make_figures_refuses_its_arguments(tmp_path, results, capsys):
 
 
 def test_make_figures_refuses_a_copied_run_folder(tmp_path, results, capsys):
+    records = results / "main" / "tiny_dsv2-specter-high" / "records.csv"
+    lines = records.read_text().splitlines()  # as a run writes them: each record's own start time
+    records.write_text("\n".join([lines[0] + ",started_at", *(f"{line},{1.7e9 + i}" for i, line in
+                                                              enumerate(lines[1:]))]) + "\n")
+    rc, out, err = _figures(["--results", str(results), "--figures", str(tmp_path / "f0")], capsys)
+    assert rc == 0, err  # one copy of the run: drawn
     shutil.copytree(results / "main" / "tiny_dsv2-specter-high", results / "copy" / "tiny_dsv2-specter-high")
     rc, out, err = _figures(["--results", str(results), "--figures", str(tmp_path / "f")], capsys)
     assert "counted twice" in one_line(rc, err, "make_figures.py")  # Fig. 14 counted its records twice
