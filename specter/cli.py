@@ -8,12 +8,12 @@
 Both take the config groups of `python run.py` (model, memory, method, hardware and every key=value
 override) and build one Method as a run does. `generate` streams the text to stdout as tokens
 commit and prints one line of statistics on stderr; `serve` answers OpenAI-compatible HTTP
-requests (docs/serving.md). Errors a user can fix are one line with exit status 2.
+requests (docs/serving.md). Errors a user can fix are one line with exit status 2; Ctrl-C exits
+130 and SIGTERM 143, each with a line; a closed output pipe (`| head`) exits 141 with a line.
 """
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import time
@@ -33,27 +33,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _guarded(command, argv: list[str]) -> int:
-    """Run a command: a user error is one line and status 2, an interrupt status 130."""
-    from specter.harness.config import ConfigError
-    from specter.harness.errors import USER_ERRORS, disk_error, report
+    """Run a command under the refusal rule (specter/entry.py); a full disk is a user error too.
 
-    try:
-        return command(argv)
-    except USER_ERRORS as err:
-        report(err)
-        return 2
-    except OSError as err:
-        user = disk_error(err)
-        if user is None:
-            raise
-        report(user)
-        return 2
-    except ConfigError as err:
-        report(err)
-        return 2
-    except KeyboardInterrupt:
-        print("specter: interrupted", file=sys.stderr)
-        return 130
+    The SIGTERM handler is in place before the engine's imports (seconds), so a signal while they
+    load is the same line and status as one while the model decodes."""
+    from specter.entry import UsageError, guarded
+
+    def body() -> int:
+        from specter.harness.errors import USER_ERRORS, disk_error
+
+        try:
+            return command(argv)
+        except USER_ERRORS as err:
+            raise UsageError(str(err)) from None
+        except OSError as err:
+            user = disk_error(err)  # None for a broken pipe too: guarded() handles that one
+            if user is None:
+                raise
+            raise UsageError(str(user)) from None
+
+    return guarded("specter", body)
 
 
 def split_overrides(argv: list[str], own: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
@@ -94,6 +93,10 @@ def generate_main(argv: list[str]) -> int:
     overrides, settings = split_overrides(argv, GENERATE_KEYS)
     if not settings.get("prompt"):
         raise ConfigError('generate needs a prompt: prompt="def fib(n):"')
+    try:
+        settings["prompt"].encode("utf-8")  # bytes that are not UTF-8 arrive as lone surrogates
+    except UnicodeEncodeError:
+        raise ConfigError("the prompt is not valid UTF-8 text") from None
     ignore_eos = _flag(settings, "ignore_eos")
     cfg = compose_checked(overrides)
     tokenizer = AutoTokenizer.from_pretrained(model_checkpoint(cfg))
@@ -191,37 +194,54 @@ def _stats_line(method: str, n: int, ended: str, tpot_ms, per_window, alpha, h2d
 
 # ---------------------------------------------------------------------------------- serve
 def serve_main(argv: list[str]) -> int:
+    from specter.entry import OneLineParser, bounded
     from specter.harness.config import ConfigError
-    from specter.serve.build import MAX_BATCH, load
-    from specter.serve.server import make_server
+    from specter.serve.build import MAX_BATCH, compose_checked, load
+    from specter.serve.server import bind_socket, is_loopback, make_server
 
-    parser = argparse.ArgumentParser(prog="specter serve", description="OpenAI-compatible HTTP server "
-                                     "(config overrides as key=value, e.g. model=tiny_dsv2 memory=low)")
+    parser = OneLineParser(prog="specter serve", description="OpenAI-compatible HTTP server "
+                     "(config overrides as key=value, e.g. model=tiny_dsv2 memory=low)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-batch", type=int, default=MAX_BATCH,
+    parser.add_argument("--port", type=bounded(int, 0, 65535, "a port number (0-65535)"), default=8000)
+    parser.add_argument("--max-batch", type=bounded(int, 1, 2**31, "an integer >= 1"), default=MAX_BATCH,
                         help="requests decoded together, at most the tier's largest fitting batch")
-    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 503)")
-    parser.add_argument("--drain-timeout", type=float, default=600.0,
-                        help="seconds SIGTERM waits for in-flight requests")
+    parser.add_argument("--max-queue", type=bounded(int, 0, 2**31, "an integer >= 0"), default=64,
+                        help="requests waiting beyond the batch (then 503)")
+    parser.add_argument("--drain-timeout", type=bounded(float, 0, 86400, "a number of seconds in [0, 86400]"),
+                        default=600.0, help="seconds SIGTERM waits for in-flight requests")
     args, rest = parser.parse_known_args(argv)
     overrides, _ = split_overrides(rest, ())
-    if args.max_batch < 1 or args.max_queue < 0:
-        raise ConfigError("--max-batch must be >= 1 and --max-queue >= 0")
-    served = load(overrides, max_batch=args.max_batch)
+    compose_checked(overrides)  # a bad override is refused before the port is taken
+    try:  # bound before the model loads: a port in use or a foreign address is refused at once
+        sock = bind_socket(args.host, args.port)
+    except OSError as err:
+        raise ConfigError(str(err)) from None
+    port = sock.getsockname()[1]
+    if not is_loopback(args.host):
+        print(f"specter serve: warning: --host {args.host} exposes the server to the network; it has no "
+              "authentication (docs/serving.md)", file=sys.stderr, flush=True)
     try:
-        parts = make_server(served, args.host, args.port, args.max_queue, args.drain_timeout, log_level="info")
+        served = load(overrides, max_batch=args.max_batch)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        parts = make_server(served, args.host, port, args.max_queue, args.drain_timeout, log_level="info")
         print(f"specter serve: {served.name} ({served.method.name}, {served.cfg.memory.name} tier, batch up to "
-              f"{served.max_batch}, queue {args.max_queue}) on http://{args.host}:{args.port}/v1", flush=True)
+              f"{served.max_batch}, queue {args.max_queue}) on http://{args.host}:{port}/v1", flush=True)
         stopped: list[int] = []
         # uvicorn handles SIGTERM/SIGINT while it runs (stop accepting, finish in-flight requests, drain the
         # engine), then raises the signal again under the handler it found: this one, so the runtime is
         # closed below and the exit status is 0 instead of death by the signal
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stopped.append(signum))
-        parts.server.run()
+        parts.server.run(sockets=[sock])
     finally:
+        sock.close()
         served.close()
+    if parts.loop.failure is not None:  # the engine stopped: the server exited instead of answering 503s
+        print(f"specter serve: error: the engine stopped ({parts.loop.failure})", file=sys.stderr, flush=True)
+        return 1
     print(f"specter serve: stopped{' on ' + signal.Signals(stopped[0]).name if stopped else ''}", flush=True)
     return 0
 

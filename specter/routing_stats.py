@@ -352,36 +352,94 @@ def model_defaults(conf: str) -> tuple[int, dict[str, int]]:
     return int(data["K"]), dict(sorted(tiers.items(), key=lambda kv: kv[1]))
 
 
+MAX_TOKENS = 2**20  # routes of a million tokens: hours on a CPU, and far more than any gate needs
+
+
+def check_sources(text: str) -> tuple[str, ...]:
+    """--text as sources, each a dataset name or a readable text file (UsageError otherwise)."""
+    from specter.entry import UsageError
+    from specter.harness.datasets import DATASETS, canonical_name
+
+    sources = tuple(s.strip() for s in text.split(","))
+    for source in sources:
+        path = Path(source)
+        try:
+            if not path.exists() and canonical_name(source):
+                continue
+        except ValueError:
+            pass
+        if not source or not path.exists():
+            raise UsageError(f"--text {source!r} is neither a dataset ({', '.join(DATASETS)}) nor a file")
+        if not path.is_file():
+            raise UsageError(f"--text {source!r} is not a file")
+        try:
+            with path.open("rb") as f:
+                f.read(1)
+        except OSError as err:
+            raise UsageError(f"--text {source!r} cannot be read ({err.strerror or err})") from None
+    return sources
+
+
+def check_out(out: Path) -> None:
+    """--out must be a folder, or not exist yet, with no file on its way."""
+    from specter.entry import UsageError
+
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"--out {out}: {folder} is a file, not a folder")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    from specter.entry import guarded
+
+    return guarded("routing_stats", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    from specter.entry import OneLineParser, UsageError, bounded
+
+    parser = OneLineParser(
         prog="python -m specter.routing_stats", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("checkpoint", help="a tiny model name (tiny_dsv2, tiny_qwen, tiny_phi) or a checkpoint folder")
     parser.add_argument("--untrained", action="store_true", help="a tiny model's random checkpoint, not its trained one")
     parser.add_argument("--text", default=",".join(HELD_OUT),
                         help="comma-separated dataset names or text files (default: %(default)s, held out from training)")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens of text to route (default: %(default)s)")
-    parser.add_argument("--K", type=int, default=None, help="draft length; windows are K + 1 tokens (default: the model's K)")
+    parser.add_argument("--tokens", type=bounded(int, 64, MAX_TOKENS, f"a token count in [64, {MAX_TOKENS}]"),
+                        default=4096, help="tokens of text to route (default: %(default)s)")
+    parser.add_argument("--K", type=bounded(int, 1, 1024, "a draft length in [1, 1024]"), default=None,
+                        help="draft length; windows are K + 1 tokens (default: the model's K)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: results/routing/<name>)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a routing gate is missed")
     args = parser.parse_args(argv)
-    if args.tokens < 64:
-        parser.error(f"--tokens must be at least 64, got {args.tokens}")
-    if args.K is not None and args.K < 1:
-        parser.error(f"--K must be >= 1, got {args.K}")
+    sources = check_sources(args.text)
+    name = Path(args.checkpoint).name + ("-untrained" if args.untrained else "")
+    out = args.out or Path("results") / "routing" / name
+    check_out(out)
+    from safetensors import SafetensorError
+
+    from specter.harness.datasets import DatasetFormatError, DatasetUnavailable
     from specter.models.facts import CheckpointFactsError
 
     try:
         model, tokenizer, conf = _load(args.checkpoint, args.untrained)
-    except (FileNotFoundError, ValueError, OSError, CheckpointFactsError) as err:
-        print(f"routing_stats: error: {err}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError, OSError, CheckpointFactsError, SafetensorError) as err:
+        # a truncated or foreign weights file is the user's to fix, like a missing one
+        raise UsageError(f"{args.checkpoint}: {err}") from None
     K, tiers = model_defaults(conf)
     K = args.K or K
-    report = routing_report(model, tokenizer, K + 1, tiers, tuple(args.text.split(",")), args.tokens)
-    name = Path(args.checkpoint).name + ("-untrained" if args.untrained else "")
-    out = args.out or Path("results") / "routing" / name
-    write_outputs(report, out)
+    try:
+        report = routing_report(model, tokenizer, K + 1, tiers, sources, args.tokens)
+    except (DatasetUnavailable, DatasetFormatError, ValueError) as err:  # too little text, an unreadable set
+        raise UsageError(str(err)) from None
+    short = [b for b in ("1", "2") if any(math.isnan(x) for x in report["working_set"][b])]
+    if short:  # the gates and every per-layer column need B = 1 and 2; a larger B may lack windows (NaN)
+        raise UsageError(f"the text holds too few {K + 1}-token windows for B = {' and '.join(short)}: "
+                         "raise --tokens or lower --K")
+    try:
+        write_outputs(report, out)
+    except OSError as err:
+        raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
     print(format_table(report))
     print(f"wrote {out}/routing.json, layers.csv, working_set.csv, routing.png")
     return 1 if args.check and not all(report["gates"]["passed"].values()) else 0

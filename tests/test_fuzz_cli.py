@@ -95,3 +95,149 @@ def test_any_schema_override_runs_or_fails_in_one_line(overrides, capsys):
         assert not errors, (overrides, errors)
     else:
         assert rc == 2 and len(errors) == 1, (overrides, rc, err[-3000:])
+
+
+# ---------------------------------------------------------------------------------- the other entry points
+# Each property below draws arguments for one entry point and holds it to the same rule: exit 0, or
+# exactly one `<prog>: error:` line and exit status 2, never a traceback. They stop before any model
+# loads (a refused override, an unknown checkpoint), so they check argument handling, not decoding.
+FEW = int(os.environ.get("SPECTER_FUZZ_EXAMPLES", "40"))
+FUZZ = settings(max_examples=FEW, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+NUMBERS = st.one_of(st.integers(-2**70, 2**70).map(str), st.floats().map(repr),
+                    st.sampled_from(["", "nan", "inf", "-inf", "1e999", "0x10", "1_000", " 8", "eight", "8.5"]))
+
+
+def _one_rule(rc: int, out: str, err: str, prog: str, args) -> None:
+    assert "Traceback" not in out + err, (args, err[-3000:])
+    errors = [line for line in err.splitlines() if line.startswith(f"{prog}: error:")]
+    if rc == 0:
+        assert not errors, (args, errors)
+    else:
+        assert rc == 2 and len(errors) == 1, (args, rc, err[-3000:])
+
+
+SERVE_OPTION = st.tuples(st.sampled_from(["--port", "--max-batch", "--max-queue", "--drain-timeout", "--host"]),
+                         st.one_of(NUMBERS, st.sampled_from(["127.0.0.1", "::1", "localhost", "0.0.0.0", "not a host"])))
+
+
+@FUZZ
+@given(options=st.lists(SERVE_OPTION, max_size=4))
+def test_serve_options_are_one_line(options, capsys):
+    from specter import cli
+
+    args = ["serve", *[x for pair in options for x in pair], "model=tiny_dsv2", "max_new_tokens=0"]
+    rc = cli.main(args)  # max_new_tokens=0 is refused after the options: nothing binds or loads
+    out, err = capsys.readouterr()
+    _one_rule(rc, out, err, "specter", args)
+    assert rc == 2
+
+
+@FUZZ
+@given(prompt=st.text(st.characters(codec=None, exclude_categories=()), max_size=12),
+       flag=st.sampled_from(["", "ignore_eos=true", "ignore_eos=maybe"]))
+def test_generate_prompts_are_one_line(prompt, flag, capsys):
+    from specter import cli
+
+    args = ["generate", f"prompt={prompt}", *([flag] if flag else []), "model=tiny_dsv2", "max_new_tokens=0"]
+    rc = cli.main(args)  # any prompt (lone surrogates too) reaches only the refused override
+    out, err = capsys.readouterr()
+    _one_rule(rc, out, err, "specter", args)
+    assert rc == 2
+
+
+def _path(tmp: str, kind: str) -> str:
+    """A path of `kind` under `tmp`: missing, a file, a folder, or under a file."""
+    from pathlib import Path
+
+    root = Path(tmp)
+    (root / "file").write_text("x\n")
+    (root / "dir").mkdir(exist_ok=True)
+    return str({"missing": root / "missing", "file": root / "file", "dir": root / "dir",
+                "under_file": root / "file" / "sub"}[kind])
+
+
+PATH_KIND = st.sampled_from(["missing", "file", "dir", "under_file"])
+
+
+@FUZZ
+@given(tokens=NUMBERS, K=NUMBERS, text=st.one_of(PATH_KIND, st.sampled_from(["gsm8k", "HE", "nope", ","])),
+       out=PATH_KIND)
+def test_routing_stats_arguments_are_one_line(tokens, K, text, out, capsys):
+    from specter import routing_stats
+
+    with tempfile.TemporaryDirectory() as tmp:
+        text_arg = _path(tmp, text) if text in ("missing", "file", "dir", "under_file") else text
+        args = ["no_such_model", "--tokens", tokens, "--K", K, "--text", text_arg, "--out", _path(tmp, out)]
+        rc = routing_stats.main(args)  # at best it reaches the unknown checkpoint
+    out_, err = capsys.readouterr()
+    _one_rule(rc, out_, err, "routing_stats", args)
+    assert rc == 2
+
+
+@FUZZ
+@given(only=st.lists(st.sampled_from(["k_sweep", "timeline", "tpot_grid", "bogus", "", "TPOT"]), max_size=3),
+       dpi=NUMBERS, results=PATH_KIND, figures=PATH_KIND)
+def test_make_figures_arguments_are_one_line(only, dpi, results, figures, capsys):
+    from specter.figures.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["--results", _path(tmp, results), "--figures", _path(tmp, figures), "--dpi", dpi,
+                *(["--only", *only] if only else [])]
+        rc = main(args)
+    out, err = capsys.readouterr()
+    _one_rule(rc, out, err, "make_figures.py", args)
+
+
+DEVICE_VALUE = st.one_of(st.floats(), st.integers(-10, 10**13), st.booleans(), st.none(), st.text(max_size=4),
+                         st.lists(st.integers(), max_size=2))
+
+
+@FUZZ
+@given(entries=st.dictionaries(st.sampled_from(["hbm_bandwidth", "hbm_efficiency", "peak_fp16", "peak_int4_effective",
+                                                "launch_overhead", "h2d_bandwidth", "h2d_latency", "d2h_bandwidth",
+                                                "d2h_latency", "name"]),
+                               st.one_of(st.fixed_dictionaries({"value": DEVICE_VALUE},
+                                                               optional={"source": st.one_of(st.text(max_size=3),
+                                                                                             st.none())}),
+                                         DEVICE_VALUE), min_size=7))
+def test_device_files_load_or_refuse(entries):
+    """A device file is a Device of finite positive values, each with a source, or one ConfigError."""
+    import math
+    from pathlib import Path
+
+    import yaml
+
+    from specter.harness.config_error import ConfigError
+    from specter.projection.cost_model import load_device
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "device.yaml"
+        path.write_text(yaml.safe_dump(entries))
+        try:
+            device = load_device(path)
+        except ConfigError as err:
+            assert "\n" not in str(err)
+            return
+    values = [v for k, v in vars(device).items() if k not in ("name", "sources")]
+    assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in values)
+    assert 0 < device.hbm_efficiency <= 1 and all(s.strip() for s in device.sources.values())
+
+
+@FUZZ
+@given(kinds=st.fixed_dictionaries({}, optional={k: PATH_KIND for k in ("RESULTS", "SPECTER_HOME", "FIGURES", "LOGS")}))
+def test_reproduce_folders_are_checked(kinds):
+    from pathlib import Path
+
+    from specter.reproduce.settings import SettingsError, read_settings
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"QUICK": "1", "CHECK": "1", "MODELS": "tiny_dsv2", "METHODS": "specter",
+               **{k: _path(tmp, v) for k, v in kinds.items()}}
+        try:
+            s = read_settings(env)
+        except SettingsError:
+            assert any(v in ("file", "under_file") for v in kinds.values())
+            return
+        for folder in (s.results, s.figures, s.logs, s.home):
+            assert not Path(folder).exists() or Path(folder).is_dir()

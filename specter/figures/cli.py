@@ -34,6 +34,9 @@ Outputs (missing inputs are skipped with a printed note, never drawn as placehol
 from __future__ import annotations
 
 import argparse
+import errno
+import hashlib
+import os
 import time
 import traceback
 from pathlib import Path
@@ -53,6 +56,7 @@ from specter.figures import (
     tpot_grid,
     verify_schedule,
 )
+from specter.entry import OneLineParser, UsageError, bounded, guarded
 from specter.figures.common import Output, Skip
 from specter.figures.data import ResultSet, default_results
 
@@ -73,27 +77,73 @@ FIGURES = (
 )
 
 
+NAMES = tuple(m.__name__.rsplit(".", 1)[1] for _, m in FIGURES)
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # nothing more can be written
+
+
 def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
-    repo = repo or Path.cwd()
+    """0: every figure built or skipped with a note; 1: a figure failed; 2: bad arguments or an
+    unusable output folder (one line, nothing drawn)."""
+    return guarded("make_figures.py", lambda: _main(argv, repo or Path.cwd()))
+
+
+def _main(argv: list[str] | None, repo: Path) -> int:
     doc = __doc__.split("\n\n")
-    ap = argparse.ArgumentParser(prog="make_figures.py", description=doc[0], epilog="\n\n".join(doc[1:]),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="make_figures.py", description=doc[0], epilog="\n\n".join(doc[1:]),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=None,
                     help="result set, searched recursively (default: see below)")
     ap.add_argument("--figures", type=Path, default=repo / "figures", help="output folder (default: figures/)")
     ap.add_argument("--paper", type=Path, default=repo / "results" / "paper",
                     help="the paper's typed numbers (default: results/paper/)")
-    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                    help="build only these (module names: " + ", ".join(m.__name__.rsplit('.', 1)[1] for _, m in FIGURES) + ")")
-    ap.add_argument("--dpi", type=int, default=150)
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME", help="build only these (module names: "
+                    + ", ".join(NAMES) + ")")
+    ap.add_argument("--dpi", type=bounded(int, 10, 1200, "a resolution in [10, 1200] dots per inch"), default=150)
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - set(NAMES))
+    if unknown:
+        raise UsageError(f"--only {' '.join(unknown)}: no such figure; choose from {', '.join(NAMES)}")
     results_dir = args.results or default_results(repo)
-    print(f"results: {results_dir}{'' if args.results else ' (default)'}  ->  figures: {args.figures}")
-    if not results_dir.is_dir():
-        print(f"note: {results_dir} does not exist; every figure will be skipped")
-    warn_stale_code(results_dir, repo)
-    args.figures.mkdir(parents=True, exist_ok=True)
+    if not results_dir.is_dir():  # "0 files" would read as "nothing to draw", not as a typo
+        what = "is a file" if results_dir.exists() else "does not exist"
+        raise UsageError(f"--results {results_dir} {what}: give a folder of results")
+    for folder in (args.figures, *args.figures.parents):
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"--figures {args.figures}: {folder} is a file, not a folder")
     results = ResultSet(results_dir, args.paper)
+    refuse_copies(results)
+    print(f"results: {results_dir}{'' if args.results else ' (default)'}  ->  figures: {args.figures}")
+    warn_stale_code(results_dir, repo)
+    try:
+        return _build(results, args, results_dir)
+    except OSError as err:
+        if err.errno not in DISK_ERRNOS and not isinstance(err, PermissionError):
+            raise
+        where = f" writing {err.filename}" if err.filename else ""
+        raise UsageError(f"{err.strerror or err}{where}; free space (or make {args.figures} writable) and "
+                         "rerun") from None
+
+
+def refuse_copies(results: ResultSet) -> None:
+    """The same run's records in two folders (a copied run folder) would be counted twice: refused.
+
+    Two runs never write the same records.csv: each record carries its own start and finish times
+    (`started_at`, `finished_at`), so equal bytes are a copy. Files without those columns (hand-made
+    or synthetic sets) are not compared."""
+    seen: dict[str, Path] = {}
+    for path in results.files("records.csv"):
+        data = path.read_bytes()
+        if b"started_at" not in data.split(b"\n", 1)[0]:
+            continue
+        digest = hashlib.sha256(data).hexdigest()
+        if digest in seen:
+            raise UsageError(f"{seen[digest].parent} and {path.parent} hold the same records.csv (a copied "
+                             "run folder): its records would be counted twice; remove one of them")
+        seen[digest] = path
+
+
+def _build(results: ResultSet, args: argparse.Namespace, results_dir: Path) -> int:
+    args.figures.mkdir(parents=True, exist_ok=True)
     out = Output(args.figures, dpi=args.dpi)
     index = [f"# Figures from `{results_dir}`", "", "| figure | status | files |", "|---|---|---|"]
     failed = 0
@@ -111,15 +161,25 @@ def main(argv: list[str] | None = None, repo: Path | None = None) -> int:
         except Skip as note:
             status, files = f"skipped: {note}", []
             print(f"{title}: skipped: {note}")
+        except OSError as err:
+            if err.errno in DISK_ERRNOS or isinstance(err, PermissionError):
+                raise  # no later figure can be written either
+            failed, status, files = failed + 1, _failed(title, err), []
         except Exception as err:  # one broken input must not hide every other figure
-            failed += 1
-            status, files = f"FAILED: {type(err).__name__}: {err}", []
-            print(f"{title}: FAILED")
-            traceback.print_exc()
+            failed, status, files = failed + 1, _failed(title, err), []
         index.append(f"| {title} | {status} | {', '.join(files)} |")
     (args.figures / "index.md").write_text("\n".join(index) + "\n")
     print(f"{len(out.written)} files in {args.figures}/ (index.md lists them)")
     return 1 if failed else 0
+
+
+def _failed(title: str, err: Exception) -> str:
+    """One line per failed figure (its traceback only with SPECTER_VERBOSE=1)."""
+    status = f"FAILED: {type(err).__name__}: {' '.join(str(err).split())}"
+    print(f"{title}: {status}")
+    if os.environ.get("SPECTER_VERBOSE") == "1":
+        traceback.print_exc()
+    return status
 
 
 def warn_stale_code(results_dir: Path, repo: Path) -> int:

@@ -342,6 +342,16 @@ def check_composed(cfg: DictConfig) -> None:
                  f"compare.methods must list at least one method, got {OmegaConf.to_container(methods) if OmegaConf.is_config(methods) else methods!r}")
     check_output_dir(cfg.get("output_dir"))
     check_home()
+    if cfg.get("experiment") == "project":
+        check_project(cfg)
+
+
+def check_project(cfg: DictConfig) -> None:
+    """experiment=project's counts: its warm-up always runs (a negative one never ended), so every
+    count is at least 1, and new_tokens at least 2 (a TPOT needs two commits)."""
+    for key, minimum in (("prompts", 1), ("new_tokens", 2), ("warmup_tokens", 1), ("tokens", 1),
+                         ("timeline_window", 0)):
+        _int(cfg, f"project.{key}", minimum)
 
 
 def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[str]:

@@ -16,10 +16,13 @@ draft kernel runs one launch for all of a layer's routed experts.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from specter.harness.config_error import ConfigError  # torch-free, as this module is
 
 DEVICES = Path(__file__).resolve().parent / "devices"
 FP16 = 2
@@ -53,21 +56,63 @@ class Device:
         return replace(self, **values)
 
 
+class UnknownDevice(ConfigError, FileNotFoundError):
+    """No such device file: a user error (one line), and the FileNotFoundError callers catch."""
+
+
 def load_device(name_or_path: str | Path) -> Device:
-    """A device file (`devices/<name>.yaml` or a path); every parameter is {value, source}."""
+    """A device file (`devices/<name>.yaml` or a path); every parameter is {value, source}.
+
+    Refused in one line (ConfigError), so no projection is ever computed from it: a file that is
+    missing, unreadable or not a YAML mapping; a missing parameter; a value that is not a finite
+    positive number (an efficiency above 1); a parameter without a source."""
     path = Path(name_or_path)
     if not path.suffix:
         path = DEVICES / f"{name_or_path}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in DEVICES.glob("*.yaml"))
-        raise FileNotFoundError(f"no device file {path}; known devices: {known}")
-    data = yaml.safe_load(path.read_text())
+        raise UnknownDevice(f"no device file {path}; known devices: {known}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"device file {path} cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"device file {path} is not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"device file {path} must be a mapping of parameters, got {type(data).__name__}")
     fields = [f for f in Device.__dataclass_fields__ if f not in ("name", "sources")]
     missing = [f for f in fields if f not in data]
     if missing:
-        raise ValueError(f"{path}: missing {missing}")
-    return Device(name=str(data.get("name", path.stem)), sources={f: data[f].get("source", "") for f in fields},
-                  **{f: float(data[f]["value"]) for f in fields})
+        raise ConfigError(f"device file {path}: missing {missing}")
+    values, sources = {}, {}
+    for f in fields:
+        entry = data[f]
+        if not isinstance(entry, dict) or "value" not in entry:
+            raise ConfigError(f"device file {path}: {f} must be {{value: <number>, source: <text>}}, got {entry!r}")
+        value, source = entry["value"], entry.get("source")
+        number = _number(value)
+        upper = 1.0 if f == "hbm_efficiency" else math.inf
+        if number is None or not (0 < number <= upper):
+            bound = "in (0, 1]" if f == "hbm_efficiency" else "a finite number > 0"
+            raise ConfigError(f"device file {path}: {f} must be {bound}, got {value!r}")
+        if not isinstance(source, str) or not source.strip():
+            raise ConfigError(f"device file {path}: {f} has no source (say where its value comes from)")
+        values[f], sources[f] = number, source
+    name = data.get("name", path.stem)
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"device file {path}: name must be text, got {name!r}")
+    return Device(name=name, sources=sources, **values)
+
+
+def _number(value: object) -> float | None:
+    """A finite float of a YAML value (PyYAML reads `1e12` without a dot as text), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 @dataclass(frozen=True)

@@ -119,12 +119,24 @@ def read_settings(env: Mapping[str, str] | None = None, repo: Path = REPO) -> Se
     batch_methods = _words(env, "BATCH_METHODS", DEFAULT_BATCH_METHODS)
     results = Path(env.get("RESULTS") or (default_results if quick else "results"))
     figures = Path(env.get("FIGURES") or (f"figures/{sizes}" if quick else "figures"))
+    logs = Path(env.get("LOGS") or "results/logs")
+    for name, folder in (("RESULTS", results), ("FIGURES", figures), ("LOGS", logs), ("SPECTER_HOME", home)):
+        _folder(name, folder)
     return Settings(
         quick=quick, dry_run=_flag(env, "DRY_RUN"), check=_flag(env, "CHECK"), force=_flag(env, "FORCE"),
         python=env.get("PYTHON") or "python", hardware=hardware, models=models,
         tiers=_words(env, "TIERS", ("high", "low")), dataset=env.get("DATASET") or "all", trained=trained == "true",
         launcher=launcher, results=results, figures=figures,
-        logs=Path(env.get("LOGS") or "results/logs"), assets=env.get("ASSETS") or None, home=home,
+        logs=logs, assets=env.get("ASSETS") or None, home=home,
         methods=methods, batch_models=batch_models, batch_methods=batch_methods,
         dry_fail=tuple(env.get("DRY_FAIL", "").replace(",", " ").split()), sizes=sizes,
     )
+
+
+def _folder(name: str, folder: Path) -> None:
+    """A folder setting must be a folder, or not exist yet with no file on its way: refused before
+    any step (also under CHECK=1, whose preflight would otherwise pass and the real run fail later)."""
+    for part in (folder, *folder.parents):
+        if part.exists() and not part.is_dir():
+            where = "is a file" if part == folder else f"lies under {part}, which is a file"
+            raise SettingsError(f"{name}={folder} {where}, not a folder")

@@ -4,8 +4,11 @@
     GET  /v1/models, /health, /metrics            (Prometheus text format)
 
 Every refusal is an OpenAI-style error body ``{"error": {"message", "type", "param", "code"}}``:
-400 for a malformed body or an impossible setting, 404 for an unknown model, 503 with
-Retry-After for a full queue; an unexpected failure is a 500 with one line, never a traceback.
+400 for a malformed body or an impossible setting, 404 for an unknown model, 413 for a body over
+MAX_BODY_BYTES, 503 with Retry-After for a full queue or a stopped engine; an unexpected failure
+is a 500 with one line, never a traceback. Requests are checked here against the bounds run.py
+uses (a seed in [0, 2**31), finite temperature and top_p, text that encodes as UTF-8), so no
+value a client can send reaches the engine thread unchecked.
 Extensions (as vLLM names them): ``ignore_eos`` decodes past EOS, ``return_token_ids`` adds each
 choice's token ids.
 """
@@ -23,14 +26,18 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specter.harness.config import SEED_LIMIT
 from specter.serve.build import Served
 from specter.serve.loop import Job, QueueFull, ServingLoop
 from specter.serve.metrics import CONTENT_TYPE, ServeMetrics
 from specter.serve.text import TextStream
 from specter.speculative.sampling import SamplingParams
+
+
+CHECK_S = 0.5  # how often a request's connection is checked while it decodes
 
 
 class ApiError(Exception):
@@ -51,9 +58,10 @@ class _Sampling(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    # NaN and ±Infinity are refused here (Python's JSON reader accepts them), as run.py refuses them
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)  # the per-record seeds' range (harness/config.py)
     stream: bool = False
     n: int = 1
     stop: str | list[str] | None = None
@@ -61,8 +69,25 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False
 
 
+def encodable(text: str) -> str:
+    """`text` that encodes as UTF-8: a lone surrogate ("\\ud800" in JSON) is refused, not tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"the text is not valid Unicode (a lone surrogate at character {err.start})") from None
+    return text
+
+
 class CompletionBody(_Sampling):
     prompt: str | list[str] | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _encodes(cls, v):
+        for text in [v] if isinstance(v, str) else v:
+            if isinstance(text, str):
+                encodable(text)
+        return v
 
 
 class ChatMessage(BaseModel):
@@ -71,18 +96,78 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _encodes(cls, v):
+        if isinstance(v, str):
+            encodable(v)
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text parts are supported
             parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-            if len(parts) != len(self.content):
+            if len(parts) != len(self.content) or not all(isinstance(t, str) for t in parts):
                 raise ApiError(400, "only text content parts are supported", "messages")
-            return "".join(parts)
+            try:
+                return encodable("".join(parts))
+            except ValueError as err:
+                raise ApiError(400, f"messages: {err}", "messages") from None
         return self.content or ""
 
 
 class ChatBody(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+
+
+# ---------------------------------------------------------------------------------- body size
+MAX_BODY_BYTES = 4 * 2**20  # far above any prompt a context of 32k tokens holds, as text or as token ids
+DRAIN_BYTES = 64 * 2**20  # an oversized body is read (and dropped) up to here before the 413
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413, counted as it arrives
+    (Content-Length or chunked) and never held in memory, parsed or tokenized."""
+
+    def __init__(self, app: Any, limit: int, metrics: ServeMetrics):
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def _refuse(self, send: Any) -> None:
+        self.metrics.request(413)
+        body = json.dumps(error_body(f"the request body exceeds {self.limit} bytes", "invalid_request_error",
+                                     code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before its body arrived
+                return
+            size += len(message.get("body", b""))
+            if size <= self.limit:
+                chunks.append(message.get("body", b""))
+            elif size > DRAIN_BYTES:  # read no further: answer and close
+                return await self._refuse(send)
+            if not message.get("more_body"):
+                break
+        if size > self.limit:  # the rest was read and dropped, so the client sees the 413, not a reset
+            return await self._refuse(send)
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later reads: disconnect notices
+
+        await self.app(scope, replay, send)
 
 
 # ---------------------------------------------------------------------------------- the app
@@ -110,6 +195,7 @@ def create_app(served: Served, loop: ServingLoop, metrics: ServeMetrics, drain_t
         await asyncio.to_thread(loop.drain, drain_timeout_s)  # SIGTERM: uvicorn stops accepting, we finish
 
     app = FastAPI(title="Specter", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES, metrics=metrics)
 
     def fail(err: ApiError) -> JSONResponse:
         metrics.request(err.status)
@@ -174,7 +260,10 @@ def create_app(served: Served, loop: ServingLoop, metrics: ServeMetrics, drain_t
                 raise ApiError(400, "one prompt per request is supported", "prompt")
             p = p[0]
         if isinstance(p, str):
-            return tokenizer(p, add_special_tokens=False).input_ids
+            try:
+                return tokenizer(p, add_special_tokens=False).input_ids
+            except (TypeError, ValueError) as err:
+                raise ApiError(400, f"the prompt cannot be tokenized: {err}".splitlines()[0], "prompt") from None
         vocab = len(tokenizer)
         if any(t < 0 or t >= vocab for t in p):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -203,15 +292,23 @@ def create_app(served: Served, loop: ServingLoop, metrics: ServeMetrics, drain_t
         return job, events
 
     async def pull(job: Job, events: asyncio.Queue, request: Request) -> tuple[list[int], str | None] | None:
-        """The job's next (tokens, finish reason); None when the client has gone."""
+        """The job's next (tokens, finish reason); None when the client has gone. The connection is
+        checked at least every `CHECK_S`, also while tokens keep coming (a non-streaming client
+        that leaves must not keep its request decoding to the end)."""
+        state = request.state  # the time of the next check lives as long as the request, across calls
+        if not hasattr(state, "check_at"):
+            state.check_at = time.monotonic() + CHECK_S
         while True:
             try:
-                ids, reason = await asyncio.wait_for(events.get(), timeout=1.0)
+                got = await asyncio.wait_for(events.get(), timeout=max(0.0, state.check_at - time.monotonic()))
             except TimeoutError:
+                got = None
+            if time.monotonic() >= state.check_at:
                 if await request.is_disconnected():
                     return None
-                continue
-            return ids, reason
+                state.check_at = time.monotonic() + CHECK_S
+            if got is not None:
+                return got
 
     def abandon(job: Job) -> None:
         """Synchronous on purpose: it runs in a cancelled task's `finally`, where no await completes."""
@@ -299,13 +396,13 @@ def create_app(served: Served, loop: ServingLoop, metrics: ServeMetrics, drain_t
     # -- endpoints ---------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        prompt = tokens_of(body)
+        prompt = await asyncio.to_thread(tokens_of, body)  # a long prompt never holds up /health
         n, params = check(body, prompt, body.max_tokens, 16)  # the OpenAI API's default max_tokens
         return await respond(body, prompt, n, params, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
-        prompt = chat_prompt(tokenizer, body.messages)
+        prompt = await asyncio.to_thread(chat_prompt, tokenizer, body.messages)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         default_max = max(1, min(int(cfg.max_new_tokens), served.context_length - len(prompt)))
         n, params = check(body, prompt, limit, default_max)
@@ -318,9 +415,14 @@ def create_app(served: Served, loop: ServingLoop, metrics: ServeMetrics, drain_t
 
     @app.get("/health")
     async def health():
+        """The engine thread's liveness, not only the HTTP layer's: 503 once the engine has stopped."""
         waiting, decoding = loop.depth()
-        return {"status": "ok", "model": model_name, "method": served.method.name, "waiting": waiting,
+        body = {"status": "ok", "model": model_name, "method": served.method.name, "waiting": waiting,
                 "decoding": decoding, "max_batch": loop.max_batch}
+        if not loop.alive:
+            body.update(status="engine stopped", error=loop.failure)
+            return JSONResponse(body, status_code=503)
+        return body
 
     @app.get("/metrics")
     async def prometheus():

@@ -39,7 +39,7 @@ def compose_checked(overrides: list[str]) -> DictConfig:
     """The run configuration of `overrides`, refused with a one-line ConfigError as run.py refuses it."""
     from specter.harness.cli import check_optional_groups
     from specter.harness.compose import compose
-    from specter.harness.config import resident_experts, validate
+    from specter.harness.config import check_home, resident_experts, unknown_keys, validate
     from specter.harness.errors import composition_error
     from specter.harness.runtime import device_and_dtype
 
@@ -48,6 +48,11 @@ def compose_checked(overrides: list[str]) -> DictConfig:
     except Exception as err:  # noqa: BLE001 - Hydra/OmegaConf raise many types for a bad override
         raise composition_error(err) from None
     check_optional_groups(overrides)
+    unknown = unknown_keys(cfg)  # `+typo=1` would be accepted and never used
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {unknown}: not in the configuration schema "
+                          "(specter/harness/schema.py); check the spelling")
+    check_home()  # SPECTER_HOME a file: one line, not a NotADirectoryError from deep in a build
     validate(cfg)
     resident_experts(cfg)
     device_and_dtype(cfg)

@@ -9,6 +9,13 @@ Only this thread touches the decoders, so nothing in specter/speculative needs a
 sampling settings are the same for all its rows, so requests with different settings go to
 different decoders over the same runtime (and expert cache), stepped in turn as
 `engine.generate_microbatched` steps its microbatches.
+
+Failures stay with the request that caused them. A request that cannot enter a decoder ends alone
+with "error". A window that fails ends a decoder's only request; a decoder shared by several
+requests is discarded and each of them resumes in a decoder of its own (its prompt plus the tokens
+it has sent), so the failing request ends and its neighbours finish. The thread itself is
+supervised: should it ever stop, every request ends with "error", `alive` turns False (/health
+answers 503) and `on_death` tells the server to exit.
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +77,14 @@ class Job:
     sent: int = 0  # tokens emitted so far
     cancelled: bool = False
     finish: str | None = None  # "length" | "stop" | "cancelled" | "error"
+    emitted: list[int] = field(default_factory=list)  # the tokens sent, for a resumption after a failure
+    offset: int = 0  # tokens sent before `req` began (non-zero once resumed)
+    solo: bool = False  # decoded in a decoder of its own (after its shared decoder failed)
+
+    @property
+    def key(self) -> Any:
+        """The decoder this job decodes in: one per sampling setting, or its own when solo."""
+        return (self.params, id(self)) if self.solo else self.params
 
 
 class ServingLoop:
@@ -87,11 +101,13 @@ class ServingLoop:
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()  # submitted, not yet in a decoder
         self._cancels: list[Job] = []
-        self._decoders: dict[SamplingParams, BatchLoop] = {}
-        self._jobs: dict[SamplingParams, list[Job]] = {}  # the jobs in each decoder (queued or active)
+        self._decoders: dict[Any, BatchLoop] = {}  # by Job.key
+        self._jobs: dict[Any, list[Job]] = {}  # the jobs in each decoder (queued or active)
         self._draining = False
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.failure: str | None = None  # why the engine thread stopped (None while it runs)
+        self.on_death: Callable[[], None] | None = None  # called (engine thread) if the thread stops on a failure
         self.windows = 0
         self._link_bytes = self._link_now()
         self._hits_misses = self._cache_now()
@@ -101,9 +117,17 @@ class ServingLoop:
         self._thread = threading.Thread(target=self._run, name="specter-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (or not started yet) and has not stopped on a failure."""
+        return self.failure is None and (self._thread is None or self._thread.is_alive())
+
     def submit(self, job: Job) -> None:
-        """Queue `job`; QueueFull when the wait queue holds `max_queue` jobs or the loop is draining."""
+        """Queue `job`; QueueFull when the wait queue holds `max_queue` jobs, the loop is draining or
+        the engine has stopped."""
         with self._cv:
+            if not self.alive:
+                raise QueueFull(f"the engine has stopped ({self.failure or 'not running'})", retry_after=60)
             if self._draining:
                 raise QueueFull("the server is shutting down", retry_after=5)
             if len(self._waiting) + self._decoding() >= self.max_batch + self.max_queue:
@@ -130,7 +154,7 @@ class ServingLoop:
             self._cv.notify()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
-            while self._waiting or self._decoding():
+            while (self._waiting or self._decoding()) and self.alive:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
@@ -151,6 +175,18 @@ class ServingLoop:
 
     # ------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as err:  # noqa: BLE001 - supervision: every request ends, the server learns of it
+            self.failure = _one_line(err)
+            _log(f"the engine stopped: {self.failure}; every request in flight ends with an error")
+            self._fail_all("error")
+            if self.on_death is not None:
+                self.on_death()
+            return
+        self._fail_all("error")
+
+    def _serve(self) -> None:
         torch.set_grad_enabled(False)
         while True:
             with self._cv:
@@ -170,7 +206,6 @@ class ServingLoop:
                 self._enter(job)
             self._step_all()
             self._publish_depth()
-        self._fail_all("error")
 
     def _take_admissible(self) -> list[Job]:
         """Waiting jobs that fit beside the decoding ones (called under the lock); cancelled ones are dropped."""
@@ -181,67 +216,94 @@ class ServingLoop:
             if job.cancelled:
                 self._finish(job, "cancelled")
                 continue
-            if job.params not in self._decoders and not self._room_for(job.params):
+            if job.key not in self._decoders and not self._room_for():
                 self._waiting.appendleft(job)  # its settings wait for a decoder to go idle
                 break
-            self._jobs.setdefault(job.params, []).append(job)
+            self._jobs.setdefault(job.key, []).append(job)
             out.append(job)
             room -= 1
         return out
 
-    def _room_for(self, params: SamplingParams) -> bool:
-        """A decoder for new settings fits: fewer than MAX_DECODERS, or an idle one can go."""
+    def _room_for(self) -> bool:
+        """A decoder for a new key fits: fewer than MAX_DECODERS, or an idle one can go."""
         if len(self._decoders) < MAX_DECODERS:
             return True
-        idle = [p for p, jobs in self._jobs.items() if not jobs]
-        for p in idle:
-            del self._decoders[p], self._jobs[p]
+        idle = [k for k, jobs in self._jobs.items() if not jobs]
+        for k in idle:
+            self._decoders.pop(k, None)
+            del self._jobs[k]
         return bool(idle)
 
     def _enter(self, job: Job) -> None:
-        loop = self._decoders.get(job.params)
-        if loop is None:
-            loop = self._decoders[job.params] = batch_loop(self.method, job.params)
-        generator = make_generator(self.device, job.seed)
-        prompt = torch.tensor(job.prompt, device=self.device)  # [P]
-        job.req = loop.submit(prompt, job.max_tokens, generator)
+        """Submit `job` to its decoder; a job that cannot enter ends alone with "error"."""
+        try:
+            loop = self._decoders.get(job.key)
+            if loop is None:
+                loop = self._decoders[job.key] = batch_loop(self.method, job.params)
+            # a resumed job continues from the tokens it has sent (greedy output is unchanged by it)
+            generator = make_generator(self.device, job.seed + job.sent)
+            prompt = torch.tensor(job.prompt + job.emitted, device=self.device)  # [P]
+            job.offset = job.sent
+            job.req = loop.submit(prompt, job.max_tokens - job.sent, generator)
+        except Exception as err:  # noqa: BLE001 - this request's failure, not the server's
+            _log(f"a request could not start: {_one_line(err)}")
+            job.req = None
+            self._retire(job, "error")
+            if not self._jobs.get(job.key) and job.key in self._jobs:
+                self._decoders.pop(job.key, None)
+                del self._jobs[job.key]
+            return
         if self.metrics is not None:
             self.metrics.queue_wait(time.perf_counter() - job.arrived_s)
 
     def _drop(self, job: Job, reason: str) -> None:
         """Take `job` out of its decoder between windows (its rows leave the batch now)."""
-        jobs = self._jobs.get(job.params, [])
+        jobs = self._jobs.get(job.key, [])
         if job not in jobs:
             return  # still waiting (dropped at admission) or already finished
-        if job.req is not None:
-            self._decoders[job.params].cancel(job.req)
+        if job.req is not None and job.key in self._decoders:
+            self._decoders[job.key].cancel(job.req)
         self._retire(job, reason)
 
     def _step_all(self) -> None:
-        for params, loop in list(self._decoders.items()):
+        for key, loop in list(self._decoders.items()):
             if not (loop.queue or loop.active):
-                if loop.submitted and not self._jobs.get(params):
+                if loop.submitted and not self._jobs.get(key):
                     loop.begin_run()  # idle: drop the finished requests and per-run logs (bounded memory)
                 continue
             try:
                 loop.step()
-            except Exception:  # noqa: BLE001 - one failed window ends its requests, not the server
-                traceback.print_exc(file=sys.stderr)
-                for job in list(self._jobs.get(params, [])):
-                    self._retire(job, "error")
-                del self._decoders[params], self._jobs[params]
+            except Exception as err:  # noqa: BLE001 - one failed window ends its request, not the server
+                self._window_failed(key, err)
                 continue
             self.windows += 1
-            self._publish(params, loop)
+            self._publish(key, loop)
             self._account_io()
 
-    def _publish(self, params: SamplingParams, loop: BatchLoop) -> None:
+    def _window_failed(self, key: Any, err: Exception) -> None:
+        """Discard the decoder; its only request ends with "error", or each of several resumes alone."""
+        jobs = [j for j in self._jobs.pop(key, []) if not j.cancelled]
+        del self._decoders[key]
+        if len(jobs) == 1 or (jobs and jobs[0].solo):
+            _log(f"a window failed: {_one_line(err)}; its request ends with an error")
+            for job in jobs:
+                self._finish_job(job, "error")
+            return
+        _log(f"a window shared by {len(jobs)} requests failed: {_one_line(err)}; each resumes in a decoder "
+             "of its own")
+        with self._cv:
+            for job in reversed(jobs):  # ahead of the waiting ones, in their order
+                job.solo, job.req = True, None
+                self._waiting.appendleft(job)
+            self._cv.notify_all()
+
+    def _publish(self, key: Any, loop: BatchLoop) -> None:
         """Emit each job's newly committed tokens; retire jobs that reached their length or a stop token."""
-        for job in list(self._jobs.get(params, [])):
+        for job in list(self._jobs.get(key, [])):
             req = job.req
             if req is None or not req.tokens:
                 continue
-            new = req.tokens[job.sent:job.max_tokens]
+            new = req.tokens[job.sent - job.offset:job.max_tokens - job.offset]
             stop = next((i for i, t in enumerate(new) if t in job.stop_ids), None)
             if stop is not None:
                 new = new[:stop]
@@ -249,6 +311,7 @@ class ServingLoop:
                 if job.sent == 0 and self.metrics is not None:  # arrival to first token, queueing included
                     self.metrics.first_token(time.perf_counter() - job.arrived_s)
                 job.sent += len(new)
+                job.emitted.extend(new)
                 job.emit(new, None)
             if stop is not None:
                 loop.cancel(req)  # no-op once the request finished in this window
@@ -258,10 +321,14 @@ class ServingLoop:
 
     def _retire(self, job: Job, reason: str) -> None:
         with self._cv:
-            jobs = self._jobs.get(job.params, [])
+            jobs = self._jobs.get(job.key, [])
             if job in jobs:
                 jobs.remove(job)
             self._cv.notify_all()
+        self._finish_job(job, reason)
+
+    def _finish_job(self, job: Job, reason: str) -> None:
+        """Account a job that left its decoder and send its finish reason."""
         if self.metrics is not None and job.req is not None:
             self.metrics.finished(job.req, job.sent, reason)
         self._finish(job, reason)
@@ -275,8 +342,12 @@ class ServingLoop:
         with self._cv:
             jobs = [j for js in self._jobs.values() for j in js] + list(self._waiting)
             self._waiting.clear()
+            self._jobs.clear()
+            self._decoders.clear()
+            self._cv.notify_all()
         for job in jobs:
-            self._retire(job, reason)
+            if job.finish is None:
+                self._finish_job(job, reason)
 
     # ------------------------------------------------------------------------------ accounting
     def _link_now(self) -> int:
@@ -302,3 +373,13 @@ class ServingLoop:
         if self.metrics is not None:
             waiting, decoding = self.depth()
             self.metrics.depth(waiting, decoding)
+
+
+def _one_line(err: BaseException) -> str:
+    """`Type: message` on one line (a server log line per failure, never a traceback)."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _log(message: str) -> None:
+    print(f"specter serve: {message}", file=sys.stderr, flush=True)

@@ -30,7 +30,44 @@ def make_server(served: Served, host: str = "127.0.0.1", port: int = 8000, max_q
     app = create_app(served, loop, metrics, drain_timeout_s)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=int(drain_timeout_s))
-    return ServerParts(loop, metrics, uvicorn.Server(config))
+    server = uvicorn.Server(config)
+
+    def engine_died() -> None:  # a server whose engine has stopped answers nothing: it exits (non-zero)
+        server.should_exit = True
+
+    loop.on_death = engine_died
+    return ServerParts(loop, metrics, server)
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host in LOOPBACK
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on (host, port), bound before the model loads: an address that cannot
+    be used is one clear error (OSError with the reason) instead of a failure after minutes of loading."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise OSError(f"--host {host!r} is not an address of this machine ({err.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class ThreadedServer:

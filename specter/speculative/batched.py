@@ -122,11 +122,13 @@ class BatchLoop:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Admit queued requests, run one iteration for every active request, retire finished ones."""
+        finished = []
         if self.queue:
             self._admit()
+            finished = self._retire()  # a one-token request is done by its prefill: no window for it
         if self.active:
             self._iterate()
-        return self._retire()
+        return finished + self._retire()
 
     def cancel(self, req: Request) -> bool:
         """Drop ``req`` between steps (its caller is gone): a queued request never runs, an active

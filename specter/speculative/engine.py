@@ -438,7 +438,7 @@ class SpeculativeEngine(BatchLoop):
     # ------------------------------------------------------------------------------ one window
     def _iterate(self) -> None:
         reqs, rec = self.active, self.recorder
-        limits = [min(self.K, r.remaining - 1) for r in reqs]  # K_b
+        limits = [max(0, min(self.K, r.remaining - 1)) for r in reqs]  # K_b: never negative
         Kb, last = max(limits), self._last_tokens()  # Kb, [B, 1]
         if Kb == 0:  # one token left everywhere: a plain target step
             logits = self.verify_pass(last)[:, -1]  # [B, V]
