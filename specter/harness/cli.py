@@ -7,37 +7,17 @@ traceback; Hydra's multi-line composition errors are condensed to one line too.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
-import threading
-from collections.abc import Iterator
 
 from specter.harness.config import ConfigError
 
 INTERRUPTED = "specter: interrupted; finished records are kept (rerun the same command to resume)"
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the run is so that it unwinds as Ctrl-C does (locks released, a
-    start with no finished record removed, every finished record kept)."""
-
-
-def _terminate(signum, frame):  # noqa: ARG001 - the signal module's handler signature
-    raise Terminated()
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises Terminated for the enclosed block (main thread only; restored after)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+# SIGTERM unwinds a run as Ctrl-C does (locks released, a start with no finished record removed, every
+# finished record kept): one definition for every entry point
+from specter.entry import Terminated, terminate_as_interrupt  # noqa: E402,F401
 
 
 def interrupted(err: KeyboardInterrupt) -> int:
