@@ -81,7 +81,8 @@ def _figure(df: pd.DataFrame, out: Output, device: str, alpha: float | None) -> 
             ax.text(alpha, 1.0, f" paper {alpha:.3f}", transform=ax.get_xaxis_transform(), fontsize=7, va="top")
         K = ", ".join(f"{method_label(m)} K={k}" for m, k in g.groupby("method")["K"].first().items()) \
             if "K" in g.columns else ""
-        style_axes(ax, f"{model_label(model)}, {tier} memory\n{device_label(device)}; {K}",
+        style_axes(ax, f"{model_label(model)}, {tier} memory; {K}\n{device_label(device)}; drafts per point "
+                       "(G/R = GPTQ/RTN, bits/group)",
                    xlabel="acceptance α (accepted / drafted)", ylabel="projected TPOT (ms)")
     handles = [Line2D([], [], color=colors[m], marker="o") for m in methods]
     labels = [method_label(m) for m in methods]

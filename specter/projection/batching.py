@@ -37,6 +37,7 @@ class BatchPoint:
     working_set: float | None  # distinct experts per MoE layer per verification pass
     tokens: int
     K: int | None
+    outputs: list[list[int]]  # each request's tokens, in prompt order
 
 
 def prepare_batching(method) -> None:
@@ -66,7 +67,7 @@ def run_batches(session: Session, seed: int, prompts: list[torch.Tensor], sizes:
         accepted = sum(sum(r.accepted) for r in run.requests)
         point = BatchPoint(B, sum(tpots) / len(tpots) / 1e3, tokens / run.wall_seconds(),
                            machine.real_loads(since=t0) / tokens, accepted / drafted if drafted else None,
-                           run.stats.get("distinct_experts_per_layer"), tokens, run.stats.get("K"))
+                           run.stats.get("distinct_experts_per_layer"), tokens, run.stats.get("K"), run.tokens)
         points.append(point)
         progress(f"    B={B}: TPOT {point.tpot * 1e3:.2f} ms, {point.throughput:.1f} tokens/s, "
                  f"{point.loads_per_token:.1f} loads/token")

@@ -70,7 +70,9 @@ def held_out_prompts(checkpoint: Path, count: int, length: int) -> list[torch.Te
     from specter.routing_stats import HELD_OUT, held_out_docs
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    docs, _ = held_out_docs(tokenizer, HELD_OUT, 64 * count * length)
+    # documents arrive in a fixed order whatever the budget, so a larger count only appends prompts; the budget
+    # stays under what the bundled held-out sets hold (about 31k tokens)
+    docs, _ = held_out_docs(tokenizer, HELD_OUT, min(64 * count * length, 24_000))
     long_enough = [d[:length] for d in docs if len(d) >= length]
     if len(long_enough) < count:
         raise ValueError(f"only {len(long_enough)} held-out documents have {length} tokens; {count} prompts asked")
@@ -117,6 +119,23 @@ def open_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prepare=None) 
     except BaseException:
         method.close()
         raise
+
+
+def set_K(session: Session, K: int) -> None:
+    """The built method at draft length K: a new engine over the same runtime, draft and machine (what the
+    builder would make at that K; building the method again per K of a profile costs seconds each)."""
+    from dataclasses import replace
+
+    from specter.projection.virtual import attach_engine
+
+    method = session.method
+    if not hasattr(method, "make_engine"):
+        raise TypeError(f"{type(method).__name__} has no draft length to set")
+    method.spec = replace(method.spec, K=K)
+    method.K = K
+    method.engine = method.make_engine()
+    method.batch_engines = []
+    attach_engine(method.engine, method.rt, session.machine)
 
 
 def close(session: Session) -> None:

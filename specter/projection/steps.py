@@ -118,7 +118,8 @@ def k_values(px: Proxy, method: str) -> list[int]:
 
 
 def profiles(px: Proxy, cm, methods: list[str]) -> dict:
-    """Per method, its K profile on the modelled device, on the profile prompts."""
+    """Per method, its K profile on the modelled device, on the profile prompts: one build, one engine per K."""
+    from specter.projection.engine_run import close, measure, open_method, set_K
     from specter.projection.profile import profile
 
     p = px.cfg.project
@@ -127,7 +128,14 @@ def profiles(px: Proxy, cm, methods: list[str]) -> dict:
     for name in methods:
         print(f"  {name}: K profile on {cm.d.name} ({len(held)} profile prompts x {int(p.new_tokens)} tokens)",
               flush=True)
-        out[name] = profile(name, k_values(px, name), lambda K, name=name: px.measure(cm, name, K, held))
+        session = open_method(px.config(name), px.checkpoint, cm)
+        try:
+            def run(K: int, name=name, session=session):
+                set_K(session, K)
+                return measure(session, name, int(px.cfg.seed), held, int(p.new_tokens), int(p.warmup_tokens))
+            out[name] = profile(name, k_values(px, name), run)
+        finally:
+            close(session)
         print(f"  {name}: profiled K = {out[name].best}", flush=True)
     return out
 
