@@ -116,7 +116,7 @@ def _tpot_figure(df: pd.DataFrame, out: Output, suffix: str, device: str) -> Non
         style_axes(ax, f"{model_label(model)}\n{device_label(device)}; {draft_of(g)} draft",
                    ylabel="projected TPOT (ms)")
     handles = [Patch(color=colors[m]) for m in methods]
-    labels = [method_label(m) for m in methods]
+    labels = [method_label(m).replace("[paper K]", " at the paper's K") for m in methods]
     from matplotlib.lines import Line2D
 
     handles.append(Line2D([], [], marker="D", color="black", linestyle="none", markersize=4))
@@ -159,8 +159,8 @@ def _windows(results: ResultSet, out: Output) -> None:
     cases = df[["model", "memory"]].drop_duplicates()
     cases = cases[cases["memory"] == "high"] if (cases["memory"] == "high").any() else cases
     models = order_models(cases["model"].unique())
-    fig, axes = subplots(len(models), 1, w=8.0, h=1.9)
-    fig.subplots_adjust(hspace=0.9)
+    fig, axes = subplots(len(models), 1, w=8.0, h=2.1)
+    fig.subplots_adjust(hspace=1.1)
     for ax, model in zip(axes[:, 0], models):
         tier = cases[cases["model"] == model]["memory"].iloc[0]
         g = df[(df["model"] == model) & (df["memory"] == tier)]
@@ -174,7 +174,7 @@ def _windows(results: ResultSet, out: Output) -> None:
                                    color=color)
         ax.set_yticks([0, 1], ["copy", "compute"])
         K = f", K = {g['K'].iloc[0]}" if "K" in g.columns else ""
-        style_axes(ax, f"{model_label(model)}, {tier} memory: one Specter window{K} (projected on "
-                       f"{device_label(device)}; {draft})", xlabel="ms")
+        style_axes(ax, f"{model_label(model)}, {tier} memory: one Specter window{K} (projected)\n"
+                       f"{device_label(device)}; {draft}", xlabel="ms")
     legend_above(fig, [Patch(color=c) for c in KINDS.values()], list(KIND_LABELS), ncol=2)
     out.figure(fig, "fig_projected_window")

@@ -11,7 +11,8 @@ is the batch's tokens over its span (first admission to last commit).
 
 Not charged: attention's reads of the KV cache (the cost model leaves them out at B = 1, where they are a
 few MB; at B = 32 and 144 positions they are about 0.14 GB per pass for DeepSeek-V2-Lite's MLA cache and
-0.9 GB for Qwen1.5-MoE's, 0.1-0.6 ms at the A100's HBM bandwidth), so large-B TPOTs are a little low.
+0.9 GB for Qwen1.5-MoE's: 0.11 and 0.73 ms per pass at the A100 file's effective HBM bandwidth), so large-B
+TPOTs are a little low, Qwen's most.
 The slots stay the B = 1 plan's at every B (the paper's budgets are labels; its KV fits beside them).
 """
 
