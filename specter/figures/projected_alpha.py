@@ -62,7 +62,7 @@ def _figure(df: pd.DataFrame, out: Output, device: str, alpha: float | None) -> 
     models = order_models(df["model"].unique())
     methods = order_methods(df["method"].unique())
     colors = method_colors(methods)
-    fig, axes = subplots(1, len(models), w=3.4, h=3.0)
+    fig, axes = subplots(1, len(models), w=5.0 if len(models) == 1 else 3.4, h=3.0)
     for ax, model in zip(axes[0], models):
         g = df[df["model"] == model]
         tier = "high" if (g["memory"].astype(str) == "high").any() else str(g["memory"].iloc[0])
@@ -72,10 +72,14 @@ def _figure(df: pd.DataFrame, out: Output, device: str, alpha: float | None) -> 
             if m.empty:
                 continue
             ax.plot(m["alpha"], m["tpot_ms"], lw=1.0, color=colors[method], alpha=0.6)
+            labels: dict[tuple[float, float], list[str]] = {}  # drafts that land on one point share one label
             for a, t, bits, draft in zip(m["alpha"], m["tpot_ms"], m["bits"], m["draft"]):
                 ax.plot([a], [t], marker=MARKERS.get(int(bits), "o"), ms=4.5, color=colors[method], ls="none")
-                if method == methods[0]:  # one set of labels per panel keeps it readable
-                    ax.annotate(_short(draft), (a, t), textcoords="offset points", xytext=(3, 3), fontsize=6)
+                labels.setdefault((round(float(a), 3), round(float(t), 1)), []).append(_short(draft))
+            if method == methods[0]:  # one set of labels per panel keeps it readable
+                for (a, t), names in labels.items():
+                    ax.annotate(", ".join(names), (a, t), textcoords="offset points", xytext=(3, 3), fontsize=6,
+                                ha="right" if a > 0.97 else "left")
         if alpha is not None:
             ax.axvline(alpha, color="black", lw=0.9, ls="--")
             ax.text(alpha, 1.0, f" paper {alpha:.3f}", transform=ax.get_xaxis_transform(), fontsize=7, va="top")
