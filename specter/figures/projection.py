@@ -113,7 +113,7 @@ def _tpot_figure(df: pd.DataFrame, out: Output, suffix: str, device: str) -> Non
                 if paper is not None and not pd.isna(paper):
                     ax.plot(x, float(paper), marker="D", color="black", markersize=4, zorder=3)
         ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
-        style_axes(ax, f"{model_label(model)}\n{device_label(device)}; {draft_of(g)} draft",
+        style_axes(ax, f"{model_label(model)}\n{device_label(device)}\n{draft_of(g)} draft",  # narrow panels
                    ylabel="projected TPOT (ms)")
     handles = [Patch(color=colors[m]) for m in methods]
     labels = [method_label(m).replace("[paper K]", " at the paper's K") for m in methods]
@@ -121,6 +121,7 @@ def _tpot_figure(df: pd.DataFrame, out: Output, suffix: str, device: str) -> Non
 
     handles.append(Line2D([], [], marker="D", color="black", linestyle="none", markersize=4))
     labels.append("paper (Fig. 14)")
+    fig.tight_layout()  # the three-line titles inside the figure, the legend above them
     legend_above(fig, handles, labels)
     out.figure(fig, NAME + suffix)
     loads = [c for c in LOAD_COLUMNS if pd.to_numeric(df[c], errors="coerce").notna().any()]  # once the engine has them
