@@ -81,10 +81,12 @@ def held_out_prompts(checkpoint: Path, count: int, length: int) -> list[torch.Te
 
 def one_window(machine: VirtualMachine, log_start: int, window: int) -> list[tuple[str, str, float, float]]:
     """The clock's ops of the `window`-th speculative window of the first measured record (from the end
-    of one verification to the end of the next), times relative to its start."""
+    of one verification to the end of the next), times relative to its start; the record's last window when it
+    has fewer (a long K covers a short record in a window or two)."""
     ends = [f.end for f in machine.forwards if f.kind == "target" and f.end >= machine.clock.log[log_start][2]]
-    if len(ends) < window + 2:
+    if len(ends) < 2:
         return []
+    window = min(window, len(ends) - 2)
     t0, t1 = ends[window], ends[window + 1]
     return [(s, op, a - t0, b - t0) for s, op, a, b in machine.clock.log[log_start:] if t0 <= a < t1]
 
