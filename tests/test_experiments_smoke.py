@@ -20,7 +20,7 @@ PER_EXPERIMENT = {
     "compare": ["model.trained=false", "+compare.method_overrides={specter:{quant:rtn}}", "dataset=humaneval"],
     "load_ratio_sweep": ["model.trained=false", "load_ratio_sweep.ratios=[2]", "load_ratio_sweep.methods=[offload_ar]",
                          "load_ratio_sweep.tiers=[low]", "hardware.ratio_probe_steps=3"],
-    "project": ["project.tokens=4"],
+    "project": ["project.tokens=4", "project.quant=rtn", "project.k_values=[2]", "project.profile=[specter]"],
 }
 
 OUTPUT = {"plan": "plan.csv", "project": "projection.csv"}  # the plan and the projection measure nothing: they write tables

@@ -140,7 +140,7 @@ def _projection(folder: Path) -> None:
     pd.DataFrame(rows, columns=list(CSV_FIELDS)).to_csv(folder / "projection.csv", index=False)
     ops = [("compute", "L1 draft experts", 0.0, 1.0), ("copy", "h2d L1 expert 3", 0.5, 1.2),
            ("compute", "L1 expert 3", 1.2, 1.3)]
-    pd.DataFrame([("dsv2", "high", "a100_40gb_pcie4", "specter", *op) for op in ops],
+    pd.DataFrame([("dsv2", "high", "a100_40gb_pcie4", "GPTQ INT4 g128", "specter", 16, *op) for op in ops],
                  columns=list(TIMELINE_FIELDS)).to_csv(folder / "timeline.csv", index=False)
 
 

@@ -17,7 +17,7 @@ import torch
 from conftest import compose
 
 FAST = ["experiment=project", "project.prompts=1", "project.new_tokens=10", "project.warmup_tokens=4",
-        "project.tokens=8", "project.routes=independent"]
+        "project.tokens=8", "project.routes=independent", "project.quant=rtn", "project.profile=[]"]  # one row each
 
 
 @pytest.fixture(scope="module")

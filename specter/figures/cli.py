@@ -28,6 +28,10 @@ Outputs (missing inputs are skipped with a printed note, never drawn as placehol
   fig14_projected_tpot, table_projected_vs_paper, fig_projected_window
                                  projected TPOT on the paper's machine beside the paper's (projection.csv,
                                  timeline.csv of experiment=project; also read from results/project/)
+  fig15_projected_batch, table3_projected_batch, table3_projected_vs_paper
+                                 projected batching beside the paper's Table 3 numbers (batch_projection.csv)
+  fig_projected_alpha, table_projected_alpha
+                                 projected TPOT against the draft's acceptance (alpha_curve.csv)
   index.md                       what was written and what was skipped, and why
 """
 
@@ -49,6 +53,8 @@ from specter.figures import (
     k_sweep,
     load_ratio,
     paper_compare,
+    projected_alpha,
+    projected_batching,
     projection,
     routing,
     staging,
@@ -74,6 +80,8 @@ FIGURES = (
     ("TPOT against the load ratio", load_ratio),
     ("Paper vs here", paper_compare),
     ("Projected Fig. 14 (virtual clock)", projection),
+    ("Projected batching (virtual clock)", projected_batching),
+    ("Projected alpha curve (virtual clock)", projected_alpha),
 )
 
 

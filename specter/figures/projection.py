@@ -7,12 +7,17 @@ Input: `projection.csv` and `timeline.csv` as `python run.py experiment=project`
 (`source=engine`) are drawn; the replay rows are a cross-check of offload_ar.
 
 fig14_projected_tpot       per real model, projected TPOT per tier and method (bars), the paper's TPOT
-                           of the same cell as a black marker
-table_projected_vs_paper   every cell: projected ms, paper ms where published, projected / paper
+                           of the same cell as a black marker; a method whose K was profiled on the
+                           modelled device has a second bar at its default K ("paper K")
+table_projected_vs_paper   every cell: projected ms, paper ms where published, projected / paper, K and
+                           where it came from, loads per token (and the engine's load-efficiency columns
+                           when its records carry them)
 fig_projected_window       per model, one Specter window on the two streams: compute (draft experts,
                            target experts, the rest) and copy (H2D expert loads)
 
-A projection is a model of the paper's machine driven by the real engine's schedule, not a measurement.
+One figure and one table per device file (suffix _<device> beside the A100's): hardware is never mixed in
+one panel. Every title names the device and the draft. A projection is a model of the paper's machine
+driven by the real engine's schedule, not a measurement.
 """
 
 from __future__ import annotations
@@ -32,6 +37,25 @@ KIND_LABELS = ("draft steps (INT4 experts + FP16 rest)", "target experts (verifi
                "verification: attention, router, lm_head")
 
 
+DEFAULT_DEVICE = "a100_40gb_pcie4"  # the paper's machine: its figures carry no suffix
+DEVICE_LABELS = {"a100_40gb_pcie4": "A100 40 GB, PCIe 4.0 x16", "h200_pcie5": "H200, PCIe 5.0 x16"}
+LOAD_COLUMNS = ("loads_per_window_layer", "retention_hits", "loads_over_belady", "belady_loads_per_token")
+
+
+def device_label(device: str) -> str:
+    return DEVICE_LABELS.get(str(device), str(device))
+
+
+def suffix(device: str) -> str:
+    return "" if device == DEFAULT_DEVICE else f"_{device}"
+
+
+def draft_of(df: pd.DataFrame) -> str:
+    """The draft the speculative rows ran, as the CSV names it ("not recorded" for a CSV from before the column)."""
+    names = sorted({str(d) for d in df.get("draft", pd.Series(dtype=str)).dropna() if str(d)})
+    return ", ".join(names) if names else "draft not recorded"
+
+
 def _found(results: ResultSet, name: str) -> list[tuple[Path, pd.DataFrame]]:
     found = results.csvs(name)
     if not found:  # experiment=project's default output folder
@@ -45,21 +69,33 @@ def projections(results: ResultSet) -> pd.DataFrame:
     if not frames:
         raise Skip("no projection.csv (run: python -m specter.projection.grid, or python run.py experiment=project)")
     df = pd.concat(frames, ignore_index=True)
+    for col in ("k_source", "K", "draft", *LOAD_COLUMNS):
+        if col not in df.columns:
+            df[col] = ""
+    df["k_source"] = df["k_source"].fillna("").astype(str)
     df = df[df["source"] == "engine"].dropna(subset=["tpot_ms"])
-    return df.drop_duplicates(["model", "memory", "device", "method"], keep="last")
+    df = df.drop_duplicates(["model", "memory", "device", "method", "k_source"], keep="last")
+    return df.assign(series=_series(df))
+
+
+def _series(df: pd.DataFrame) -> list[str]:
+    """The bar a row is drawn as: the method, or "<method>[paper K]" for the default-K row of a method that also
+    has a profiled row (the profiled one is the method's own bar)."""
+    profiled = set(zip(df["model"], df["memory"], df["device"], df["method"], df["k_source"]))
+    return [f"{m}[paper K]" if k == "paper" and (mo, me, d, m, "profiled") in profiled else m
+            for mo, me, d, m, k in zip(df["model"], df["memory"], df["device"], df["method"], df["k_source"])]
 
 
 def build(results: ResultSet, out: Output) -> None:
     df = projections(results)
     for device, g in df.groupby("device", sort=True):
-        suffix = "" if device == "a100_40gb_pcie4" else f"_{device}"
-        _tpot_figure(g, out, suffix, device)
+        _tpot_figure(g, out, suffix(device), device)
     _windows(results, out)
 
 
 def _tpot_figure(df: pd.DataFrame, out: Output, suffix: str, device: str) -> None:
     models = order_models(df["model"].unique())
-    methods = order_methods(df["method"].unique())
+    methods = order_methods(df["series"].unique())
     colors = method_colors(methods)
     fig, axes = subplots(1, len(models), w=4.2, h=3.0)
     width = 0.8 / max(1, len(methods))
@@ -68,7 +104,7 @@ def _tpot_figure(df: pd.DataFrame, out: Output, suffix: str, device: str) -> Non
         tiers = order_tiers(g["memory"].unique())
         for i, method in enumerate(methods):
             for t, tier in enumerate(tiers):
-                cell = g[(g["memory"] == tier) & (g["method"] == method)]
+                cell = g[(g["memory"] == tier) & (g["series"] == method)]
                 if cell.empty:
                     continue
                 x = t + (i - (len(methods) - 1) / 2) * width
@@ -77,23 +113,28 @@ def _tpot_figure(df: pd.DataFrame, out: Output, suffix: str, device: str) -> Non
                 if paper is not None and not pd.isna(paper):
                     ax.plot(x, float(paper), marker="D", color="black", markersize=4, zorder=3)
         ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
-        style_axes(ax, model_label(model), ylabel="projected TPOT (ms)")
+        style_axes(ax, f"{model_label(model)}\n{device_label(device)}\n{draft_of(g)} draft",  # narrow panels
+                   ylabel="projected TPOT (ms)")
     handles = [Patch(color=colors[m]) for m in methods]
-    labels = [method_label(m) for m in methods]
+    labels = [method_label(m).replace("[paper K]", " at the paper's K") for m in methods]
     from matplotlib.lines import Line2D
 
     handles.append(Line2D([], [], marker="D", color="black", linestyle="none", markersize=4))
     labels.append("paper (Fig. 14)")
+    fig.tight_layout()  # the three-line titles inside the figure, the legend above them
     legend_above(fig, handles, labels)
     out.figure(fig, NAME + suffix)
-    table = df[["model", "memory", "method", "tpot_ms", "paper_tpot_ms", "ratio", "loads_per_token", "copy_busy",
-                "acceptance", "proxy"]].copy()
+    loads = [c for c in LOAD_COLUMNS if pd.to_numeric(df[c], errors="coerce").notna().any()]  # once the engine has them
+    table = df[["model", "memory", "device", "method", "draft", "K", "k_source", "tpot_ms", "paper_tpot_ms", "ratio",
+                "loads_per_token", *loads, "copy_busy", "acceptance", "proxy", "series"]].copy()
     table["model"] = pd.Categorical(table["model"], models, ordered=True)
-    table["method"] = pd.Categorical(table["method"], methods, ordered=True)
-    table = table.sort_values(["model", "memory", "method"]).reset_index(drop=True)
-    out.table(table, "table_projected_vs_paper" + suffix, f"Projected TPOT on {device} beside the paper's",
-              notes=["A model of the paper's machine (cost model + virtual clock) driven by the engine's own schedule "
-                     "on the tiny proxy, not a measurement. ratio = projected / paper."])
+    table["series"] = pd.Categorical(table["series"], methods, ordered=True)
+    table = table.sort_values(["model", "memory", "series"]).drop(columns="series").reset_index(drop=True)
+    out.table(table, "table_projected_vs_paper" + suffix,
+              f"Projected TPOT on {device_label(device)} ({device}), {draft_of(df)} draft, beside the paper's",
+              notes=["A model of that machine (cost model + virtual clock) driven by the engine's own schedule "
+                     "on the tiny proxy, not a measurement. ratio = projected / paper (the paper's A100). "
+                     "k_source: profiled = the fastest K of a profile on this device; paper = the method's default K."])
 
 
 def _kinds(ops: pd.DataFrame) -> list[str]:
@@ -113,12 +154,14 @@ def _windows(results: ResultSet, out: Output) -> None:
     if not frames:
         return
     df = pd.concat(frames, ignore_index=True)
-    df = df[df["device"] == "a100_40gb_pcie4"] if (df["device"] == "a100_40gb_pcie4").any() else df
+    df = df[df["device"] == DEFAULT_DEVICE] if (df["device"] == DEFAULT_DEVICE).any() else df
+    device = str(df["device"].iloc[0])
+    draft = f"{df['draft'].iloc[0]} draft" if "draft" in df.columns and str(df["draft"].iloc[0]) else "draft not recorded"
     cases = df[["model", "memory"]].drop_duplicates()
     cases = cases[cases["memory"] == "high"] if (cases["memory"] == "high").any() else cases
     models = order_models(cases["model"].unique())
-    fig, axes = subplots(len(models), 1, w=8.0, h=1.9)
-    fig.subplots_adjust(hspace=0.9)
+    fig, axes = subplots(len(models), 1, w=8.0, h=2.1)
+    fig.subplots_adjust(hspace=1.1)
     for ax, model in zip(axes[:, 0], models):
         tier = cases[cases["model"] == model]["memory"].iloc[0]
         g = df[(df["model"] == model) & (df["memory"] == tier)]
@@ -131,6 +174,8 @@ def _windows(results: ResultSet, out: Output) -> None:
                     ax.broken_barh(list(zip(part["start_ms"], part["end_ms"] - part["start_ms"])), (lane - 0.4, 0.8),
                                    color=color)
         ax.set_yticks([0, 1], ["copy", "compute"])
-        style_axes(ax, f"{model_label(model)}, {tier} memory: one Specter window (projected)", xlabel="ms")
+        K = f", K = {g['K'].iloc[0]}" if "K" in g.columns else ""
+        style_axes(ax, f"{model_label(model)}, {tier} memory: one Specter window{K} (projected)\n"
+                       f"{device_label(device)}; {draft}", xlabel="ms")
     legend_above(fig, [Patch(color=c) for c in KINDS.values()], list(KIND_LABELS), ncol=2)
     out.figure(fig, "fig_projected_window")

@@ -27,8 +27,12 @@ from specter.harness.config import ConfigError
 REAL_MODELS = ("dsv2", "qwen15moe", "phi35moe")
 PROJECTED = ("target_only", "offload_ar", "mo_sc", "mo_sm", "specmoeoff", "moe_spec", "specter")
 ROUTE_CHOICES = ("auto", "proxy", "independent")
-CSV_FIELDS = ("model", "memory", "device", "proxy", "routes", "method", "source", "tokens", "resident", "staging", "tpot_ms",
-              "loads_per_token", "copy_busy", "acceptance", "paper_tpot_ms", "ratio", "note")
+# draft: the INT4 draft a speculative row ran; K and k_source: its draft length, "profiled" (on the modelled
+# device) or "paper" (the method's default: the paper's K, SpecMoEOff's artifact K = 3); the last four columns
+# are the engine's load-efficiency counters where its records carry them (empty otherwise).
+CSV_FIELDS = ("model", "memory", "device", "proxy", "routes", "method", "source", "draft", "K", "k_source", "tokens",
+              "resident", "staging", "tpot_ms", "loads_per_token", "copy_busy", "acceptance", "paper_tpot_ms", "ratio",
+              "loads_per_window_layer", "retention_hits", "loads_over_belady", "belady_loads_per_token", "note")
 
 
 def real_and_proxy(cfg: DictConfig) -> tuple[str, str, bool]:
@@ -177,63 +181,53 @@ def replay_rows(cfg: DictConfig, cm, real: str, proxy: str, trained: bool, M: in
     return rows, source
 
 
-def engine_rows(cfg: DictConfig, cm, real: str, proxy: str, slots: dict, K: int) -> tuple[list[dict], dict]:
-    """Every method of `project.methods` built by the harness on the proxy and run on the virtual machine."""
-    from specter.harness.compose import compose
-    from specter.harness.runtime import model_checkpoint
-    from specter.models.tiny import tiny_dir
-    from specter.projection.engine_run import held_out_prompts, proxy_overrides, run_method
+def engine_rows(cfg: DictConfig, cm, px) -> tuple[list[dict], dict]:
+    """Every method of `project.methods` built by the harness on the proxy and run on the virtual machine
+    (`specter.projection.steps`); a profiled method twice: at its profiled K, then at its default K."""
+    from specter.projection.engine_run import SPECULATIVE
+    from specter.projection.profile import profile_rows
+    from specter.projection.steps import draft_name, engine_runs
+
+    runs, profiled = engine_runs(px, cm)
+    draft = draft_name(str(cfg.project.quant))
+    rows, primary = [], {}
+    for name, source, r in runs:
+        primary.setdefault(name, r)  # the first row of a method is its primary one (its timeline, its tokens)
+        M, S = px.slots[name]
+        rows.append(engine_row(cfg, name, source, r, M, S, draft if name in SPECULATIVE else ""))
+    base = {"model": px.real, "memory": str(cfg.memory.name), "device": cm.d.name, "draft": draft}
+    profiles = [row for prof in profiled.values() for row in profile_rows(prof, base)]
+    return rows, {"runs": primary, "profile_rows": profiles}
+
+
+def engine_row(cfg: DictConfig, name: str, k_source: str, r, M, S, draft: str) -> dict:
+    from specter.projection.engine_run import EXTRA_STATS
 
     p = cfg.project
-    trained = (tiny_dir(proxy, trained=True) / "config.json").is_file()
-    methods = list(p.methods)
-    unknown = [m for m in methods if m not in PROJECTED]
-    if unknown:
-        raise ConfigError(f"project.methods: {unknown} are not in-process methods; choose from {list(PROJECTED)}")
-    if str(p.quant) not in ("rtn", "gptq"):
-        raise ConfigError(f"project.quant={p.quant!r} is not rtn or gptq")
-    if int(p.prompts) < 1 or int(p.new_tokens) < 2:
-        raise ConfigError("project.prompts must be >= 1 and project.new_tokens >= 2")
-    tier, seed = str(cfg.memory.name), int(cfg.seed)
-    rows, runs = [], {}
-    prompts = None
-    for name in methods:
-        over = proxy_overrides(proxy, trained, tier, name, slots[name], K, str(p.quant), seed)
-        mcfg = compose([*over, f"prefix_tokens={int(cfg.prefix_tokens)}"])
-        checkpoint = model_checkpoint(mcfg)
-        if prompts is None:
-            prompts = held_out_prompts(checkpoint, int(p.prompts), int(cfg.prefix_tokens))
-        r = run_method(mcfg, checkpoint, cm, prompts, int(p.new_tokens), int(p.warmup_tokens), slots[name],
-                       int(p.timeline_window))
-        runs[name] = r
-        print(f"  {name}: {_fmt(r.tpot, 1e3) or '-'} ms/token projected", flush=True)
-        M, S = slots[name]
-        if name != "target_only" and (r.resident, r.staging) != (M, S):
-            raise RuntimeError(f"{name}: the proxy ran with M={r.resident} + {r.staging} staging buffers, the real "
-                               f"model's plan says M={M} + {S}")
-        rows.append({"method": name, "source": "engine", "tokens": str(int(p.prompts) * int(p.new_tokens)),
-                     "resident": "" if M is None or name == "target_only" else str(M),
-                     "staging": str(S) if name != "target_only" else "0",
-                     "tpot_ms": _fmt(r.tpot, 1e3), "loads_per_token": _fmt(r.loads_per_token),
-                     "copy_busy": _fmt(r.copy_busy), "acceptance": _fmt(r.acceptance),
-                     "note": NOTES[name] + (f"; K={K}" if name in ("specter", "moe_spec") else "")})
-    proxy_name = tiny_dir(proxy, trained=trained).name
-    return rows, {"runs": runs, "proxy": proxy_name, "trained": trained, "prompts": prompts}
+    return {"method": name, "source": "engine", "tokens": str(int(p.prompts) * int(p.new_tokens)),
+            "resident": "" if M is None or name == "target_only" else str(M),
+            "staging": str(S) if name != "target_only" else "0", "draft": draft,
+            "K": "" if r.K is None else str(r.K), "k_source": k_source if r.K is not None else "",
+            "tpot_ms": _fmt(r.tpot, 1e3), "loads_per_token": _fmt(r.loads_per_token),
+            "copy_busy": _fmt(r.copy_busy), "acceptance": _fmt(r.acceptance),
+            **{k: _fmt(r.extra.get(k)) for k in EXTRA_STATS}, "note": NOTES[name]}
 
 
 NOTES = {"target_only": "every expert resident", "offload_ar": "LRU on demand", "mo_sc": "LRU + staging, same cache",
-         "mo_sm": "LRU, same memory", "specmoeoff": "separate draft, K=3, route-frequency prefetch",
+         "mo_sm": "LRU, same memory", "specmoeoff": "separate draft, route-frequency prefetch",
          "moe_spec": "Specter + verification expert budget", "specter": "shared INT4 draft, adaptive prefetch"}
 
 
 def project_rows(cfg: DictConfig) -> tuple[list[dict[str, str]], dict]:
     from specter.projection.cost_model import cost_model
+    from specter.projection.steps import Proxy, check_project, draft_name
 
     p = cfg.project
     if p.routes not in ROUTE_CHOICES:
         raise ConfigError(f"project.routes={p.routes!r} is not one of {list(ROUTE_CHOICES)}")
     if int(p.tokens) < 1:
         raise ConfigError(f"project.tokens must be >= 1, got {p.tokens}")
+    check_project(cfg)
     real, proxy, trained = real_and_proxy(cfg)
     try:
         cm = cost_model(real, str(p.device))
@@ -241,11 +235,13 @@ def project_rows(cfg: DictConfig) -> tuple[list[dict[str, str]], dict]:
         raise ConfigError(f"project.device: {err}") from None
     slots, K = method_slots(cfg, real)
     M, staging = slots["offload_ar"]
-    engine, run = engine_rows(cfg, cm, real, proxy, slots, K) if list(p.methods) else ([], {"runs": {}})
+    engine_steps = list(p.methods) or bool(p.batch) or bool(p.alpha)
+    px = Proxy(cfg, proxy, slots, K, real) if engine_steps else None
+    engine, run = engine_rows(cfg, cm, px) if list(p.methods) else ([], {"runs": {}, "profile_rows": []})
     replay, source = replay_rows(cfg, cm, real, proxy, trained, M, staging)
     paper = paper_tpots(real, str(cfg.memory.name))
     base = {"model": real, "memory": str(cfg.memory.name), "device": cm.d.name,
-            "proxy": run.get("proxy", ""), "routes": source}
+            "proxy": px.name if px is not None else "", "routes": source}
     rows = []
     for r in [*engine, *replay]:
         row = {f: "" for f in CSV_FIELDS}
@@ -255,9 +251,10 @@ def project_rows(cfg: DictConfig) -> tuple[list[dict[str, str]], dict]:
             row["paper_tpot_ms"] = f"{paper[r['method']]:.1f}"
             row["ratio"] = f"{float(row['tpot_ms']) / paper[r['method']]:.4f}"
         rows.append(row)
-    facts = {"real": real, "proxy": run.get("proxy", ""), "trained": run.get("trained"), "source": source,
-             "resident": M, "staging": staging, "shape": cm.s, "device": cm.d.name, "h2d_ms": cm.h2d() * 1e3,
-             "tokens": int(p.tokens), "runs": run.get("runs", {}), "K": K}
+    facts = {"real": real, "proxy": base["proxy"], "trained": px.trained if px is not None else None,
+             "source": source, "resident": M, "staging": staging, "shape": cm.s, "device": cm.d.name,
+             "h2d_ms": cm.h2d() * 1e3, "tokens": int(p.tokens), "runs": run["runs"], "K": K, "cm": cm, "px": px,
+             "draft": draft_name(str(p.quant)), "profile_rows": run["profile_rows"]}
     return rows, facts
 
 
@@ -269,30 +266,65 @@ def project_csv(rows: list[dict[str, str]]) -> str:
     return buf.getvalue()
 
 
+def text_table(head: tuple[str, ...], body: list[tuple[str, ...]], left: tuple[int, ...] = (0,)) -> list[str]:
+    """Aligned plain-text rows: columns in `left` (and the last) left-aligned, the rest right-aligned."""
+    table = [head, *body]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = []
+    for i, row in enumerate(table):
+        lines.append("  " + "  ".join(c.ljust(w) if j in left or j == len(head) - 1 else c.rjust(w)
+                                      for j, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if i == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths))
+    return lines
+
+
 def format_projection(rows: list[dict[str, str]], facts: dict) -> str:
+    from specter.projection.engine_run import EXTRA_STATS
+
     s = facts["shape"]
     routes = (f"the proxy {facts['source']}'s teacher-forced routes" if facts["source"] != "independent"
               else "INDEPENDENT uniform top-k routes (no proxy checkpoint found)")
     proxy = facts["proxy"] and (f"{facts['proxy']} ({'trained' if facts['trained'] else 'UNTRAINED: random weights, no trained proxy found'})")
-    lines = [f"projected TPOT: {facts['real']} memory={rows[0]['memory']} on {facts['device']} "
+    lines = [f"projected TPOT: {facts['real']} memory={rows[0]['memory']} on {facts['device']}, draft {facts['draft']} "
              f"({s.moe_layers} MoE layers, top-{s.top_k} of {s.num_experts}; one expert's H2D {facts['h2d_ms']:.3f} ms)",
              "  a model of that machine (cost model + virtual clock) driven by the engine's own schedule, not a measurement",
-             f"  engine rows: every method built by the harness on the proxy {proxy}, run on the virtual clock",
+             f"  engine rows: every method built by the harness on the proxy {proxy}, run on the virtual clock; "
+             f"K: profiled on {facts['device']} or the paper's",
              f"  replay rows: offload_ar replayed over {facts['tokens']} tokens of {routes} (cross-check)"]
-    head = ("method", "source", "M+S", "TPOT ms", "paper ms", "ratio", "loads/token", "copy busy", "accept", "note")
-    table = [head] + [(r["method"], r["source"], f"{r['resident']}+{r['staging']}" if r["resident"] else "-",
-                       r["tpot_ms"] or "-", r["paper_tpot_ms"] or "-", r["ratio"] or "-", r["loads_per_token"] or "-",
-                       r["copy_busy"] or "-", r["acceptance"] or "-", r["note"]) for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    for i, row in enumerate(table):
-        lines.append("  " + "  ".join(c.ljust(w) if j in (0, 1, len(head) - 1) else c.rjust(w)
-                                      for j, (c, w) in enumerate(zip(row, widths))).rstrip())
-        if i == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
+    extra = [k for k in EXTRA_STATS if any(r.get(k) for r in rows)]  # the engine's counters, once it reports them
+    head = ("method", "source", "draft", "K", "M+S", "TPOT ms", "paper ms", "ratio", "loads/token", "copy busy",
+            "accept", *extra, "note")
+    body = [(r["method"], r["source"], r["draft"] or "-", f"{r['K']} {r['k_source']}" if r["K"] else "-",
+             f"{r['resident']}+{r['staging']}" if r["resident"] else "-", r["tpot_ms"] or "-", r["paper_tpot_ms"] or "-",
+             r["ratio"] or "-", r["loads_per_token"] or "-", r["copy_busy"] or "-", r["acceptance"] or "-",
+             *(r.get(k) or "-" for k in extra), r["note"]) for r in rows]
+    lines += text_table(head, body, left=(0, 1, 2, 3))
     return "\n".join(lines) + "\n"
 
 
-TIMELINE_FIELDS = ("model", "memory", "device", "method", "stream", "op", "start_ms", "end_ms")
+def rows_csv(fields: tuple[str, ...], rows: list[dict[str, str]]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n", restval="")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def format_profiles(rows: list[dict[str, str]]) -> str:
+    """Each profile's K set, the chosen K marked."""
+    if not rows:
+        return ""
+    r0 = rows[0]
+    lines = [f"K profile on {r0['device']} ({r0['model']} memory={r0['memory']}, draft {r0['draft']}): "
+             "projected TPOT on the profile prompts per K, * = the fastest"]
+    lines += text_table(("method", "K", "TPOT ms", "loads/token", "accept", ""),
+                        [(r["method"], r["K"], r["tpot_ms"], r["loads_per_token"], r["acceptance"] or "-",
+                          "*" if r["chosen"] == "true" else "") for r in rows])
+    return "\n".join(lines) + "\n"
+
+
+TIMELINE_FIELDS = ("model", "memory", "device", "draft", "method", "K", "stream", "op", "start_ms", "end_ms")
 
 
 def timeline_csv(rows: list[dict[str, str]], facts: dict) -> str:
@@ -302,20 +334,122 @@ def timeline_csv(rows: list[dict[str, str]], facts: dict) -> str:
     w.writerow(TIMELINE_FIELDS)
     run = facts["runs"].get("specter")
     for stream, op, a, b in (run.timeline if run is not None else []):
-        w.writerow([facts["real"], rows[0]["memory"], facts["device"], "specter", stream, op, f"{a * 1e3:.6f}",
-                    f"{b * 1e3:.6f}"])
+        w.writerow([facts["real"], rows[0]["memory"], facts["device"], facts["draft"], "specter", run.K, stream, op,
+                    f"{a * 1e3:.6f}", f"{b * 1e3:.6f}"])
     return buf.getvalue()
 
 
+def paper_claims(real: str) -> list[dict[str, str]]:
+    """The paper's batching claims for this model (results/paper/claims.csv, typed from its text)."""
+    path = Path(__file__).resolve().parents[2] / "results" / "paper" / "claims.csv"
+    if not path.is_file():
+        return []
+    with path.open() as f:
+        return [r for r in csv.DictReader(f) if r["model"] == real and r["claim"].startswith("batch_")]
+
+
+BATCH_VS_PAPER_FIELDS = ("model", "memory", "device", "draft", "claim", "method", "baseline", "batch_from", "batch_to",
+                         "paper", "projected", "projected_max", "projected_max_at")
+
+
+def batch_vs_paper(rows: list[dict[str, str]], claims: list[dict[str, str]], base: dict[str, str]) -> list[dict]:
+    """Each batching claim of the paper beside the same ratio from the projected batch table: at the claim's B,
+    and, for a claim against SpecMoEOff (quoted as a maximum), the largest projected value over B."""
+    at = {(r["method"], int(r["batch_size"])): r for r in rows}
+    metric = {"batch_tpot_ratio": "tpot_ms", "batch_throughput_ratio": "throughput_tok_s",
+              "batch_working_set_ratio": "working_set", "batch_tpot_speedup": "tpot_ms",
+              "batch_throughput_gain": "throughput_tok_s"}
+
+    def value(claim: str, b0: int, b1: int) -> float | None:
+        col = metric[claim]
+        if claim in ("batch_tpot_speedup", "batch_throughput_gain"):  # Specter against SpecMoEOff at one B
+            s, o = at.get(("specter", b1)), at.get(("specmoeoff", b1))
+            if s is None or o is None or not s[col] or not o[col]:
+                return None
+            return float(o[col]) / float(s[col]) if col == "tpot_ms" else float(s[col]) / float(o[col])
+        a, b = at.get(("specter", b0)), at.get(("specter", b1))
+        return float(b[col]) / float(a[col]) if a and b and a[col] and b[col] else None
+
+    out = []
+    sizes = sorted({B for _, B in at})
+    for c in claims:
+        if c["claim"] not in metric:
+            continue
+        b0, b1 = int(c["batch_from"]), int(c["batch_to"])
+        v = value(c["claim"], b0, b1)
+        best = None
+        if c["claim"] in ("batch_tpot_speedup", "batch_throughput_gain"):
+            vals = [(x, B) for B in sizes if (x := value(c["claim"], B, B)) is not None]
+            best = max(vals) if vals else None
+        out.append({**base, "claim": c["claim"], "method": c["method"], "baseline": c["baseline"],
+                    "batch_from": str(b0), "batch_to": str(b1), "paper": c["value"],
+                    "projected": "" if v is None else f"{v:.4f}",
+                    "projected_max": "" if best is None else f"{best[0]:.4f}",
+                    "projected_max_at": "" if best is None else str(best[1])})
+    return out
+
+
+def format_batch(rows: list[dict[str, str]], versus: list[dict[str, str]]) -> str:
+    r0 = rows[0]
+    lines = [f"projected batching on {r0['device']}: {r0['model']} memory={r0['memory']}, draft {r0['draft']} "
+             "(per-request KV; TPOT = mean per-request TPOT, throughput = tokens / batch span)"]
+    lines += text_table(("method", "K", "B", "TPOT ms", "tokens/s", "loads/token", "accept", "working set",
+                         "TPOT/B=1", "tput/B=1"),
+                        [(r["method"], r["K"], r["batch_size"], r["tpot_ms"], f"{float(r['throughput_tok_s']):.1f}",
+                          r["loads_per_token"], r["acceptance"] or "-", r["working_set"] or "-", r["tpot_vs_b1"],
+                          r["throughput_vs_b1"]) for r in rows])
+    if versus:
+        lines.append("  beside the paper (results/paper/claims.csv):")
+        lines += text_table(("claim", "B", "paper", "projected", "projected max (B)"),
+                            [(f"{v['claim']}{' vs ' + v['baseline'] if v['baseline'] else ''}",
+                              f"{v['batch_from']}->{v['batch_to']}", v["paper"], v["projected"] or "-",
+                              f"{v['projected_max']} ({v['projected_max_at']})" if v["projected_max"] else "-")
+                             for v in versus])
+    return "\n".join(lines) + "\n"
+
+
+def format_alpha(rows: list[dict[str, str]]) -> str:
+    r0 = rows[0]
+    lines = [f"alpha curve on {r0['device']}: {r0['model']} memory={r0['memory']}; every draft charged the paper's "
+             "INT4 g128 cost, so only the acceptance moves (paper: mean alpha 0.966)"]
+    lines += text_table(("method", "K", "draft", "alpha", "TPOT ms", "loads/token"),
+                        [(r["method"], r["K"], r["draft"], r["alpha"] or "-", r["tpot_ms"] or "-",
+                          r["loads_per_token"] or "-") for r in rows], left=(0, 1, 2))
+    return "\n".join(lines) + "\n"
+
+
 def run_project(cfg: DictConfig) -> Path:
-    """`experiment=project`: print the projection, write `<output_dir>/projection.csv` and `timeline.csv` (exact bytes)."""
+    """`experiment=project`: print the projection, write `<output_dir>/projection.csv`, `timeline.csv` and
+    `k_profile.csv`; with project.batch, `batch_projection.csv` and `batch_vs_paper.csv`; with project.alpha,
+    `alpha_curve.csv` (exact bytes)."""
     from specter.paths import atomic_write_text
+    from specter.projection.alpha import ALPHA_FIELDS
+    from specter.projection.batching import BATCH_FIELDS
+    from specter.projection.profile import PROFILE_FIELDS
+    from specter.projection.steps import alpha_step, batch_step
 
     rows, facts = project_rows(cfg)
-    print(format_projection(rows, facts), end="", flush=True)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    print(format_profiles(facts["profile_rows"]), end="", flush=True)
+    print(format_projection(rows, facts), end="", flush=True)
     atomic_write_text(out / "projection.csv", project_csv(rows))
     atomic_write_text(out / "timeline.csv", timeline_csv(rows, facts))
+    if facts["profile_rows"]:
+        atomic_write_text(out / "k_profile.csv", rows_csv(PROFILE_FIELDS, facts["profile_rows"]))
     print(f"  table: {out / 'projection.csv'}")
+    px, cm = facts["px"], facts["cm"]
+    base = {"model": facts["real"], "memory": str(cfg.memory.name), "device": cm.d.name, "draft": facts["draft"]}
+    if cfg.project.batch:
+        batch = batch_step(px, cm, base)
+        versus = batch_vs_paper(batch, paper_claims(facts["real"]), base)
+        print(format_batch(batch, versus), end="", flush=True)
+        atomic_write_text(out / "batch_projection.csv", rows_csv(BATCH_FIELDS, batch))
+        atomic_write_text(out / "batch_vs_paper.csv", rows_csv(BATCH_VS_PAPER_FIELDS, versus))
+        print(f"  batching: {out / 'batch_projection.csv'}, {out / 'batch_vs_paper.csv'}")
+    if cfg.project.alpha:
+        alpha = alpha_step(px, cm, {k: v for k, v in base.items() if k != "draft"})
+        print(format_alpha(alpha), end="", flush=True)
+        atomic_write_text(out / "alpha_curve.csv", rows_csv(ALPHA_FIELDS, alpha))
+        print(f"  alpha curve: {out / 'alpha_curve.csv'}")
     return out

@@ -145,7 +145,19 @@ class ProjectConfig:
     prompts: int = 2  # held-out prompts of prefix_tokens tokens
     new_tokens: int = 32  # tokens generated per prompt
     warmup_tokens: int = 8  # one warm-up record first
-    quant: str = "rtn"  # the INT4 draft: rtn | gptq
+    quant: str = "gptq"  # the INT4 g128 draft: gptq (the paper's) | rtn
+    profile: list[str] = field(default_factory=lambda: ["specter", "specmoeoff"])  # methods whose K is profiled
+    k_values: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32])  # Specter's K set
+    profile_prompts: int = 2  # held-out prompts after the measured ones, for the K profile
+    batch: bool = False  # batching step: batch_methods at each of batch_sizes
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    batch_methods: list[str] = field(default_factory=lambda: ["specter", "specmoeoff"])
+    batch_new_tokens: int = 128
+    alpha: bool = False  # alpha curve: alpha_methods with each of alpha_drafts
+    alpha_methods: list[str] = field(default_factory=lambda: ["specter", "specmoeoff"])
+    alpha_drafts: list[str] = field(default_factory=lambda: ["gptq4g128", "gptq4g32", "gptq3g128", "gptq3g32",
+                                                             "gptq2g128", "gptq2g32", "rtn4g128", "rtn3g128",
+                                                             "rtn2g128"])
     timeline_window: int = 2  # the window of Specter's first record that timeline.csv holds
     tokens: int = 128  # replay: decode steps replayed
     routes: str = "auto"  # replay: auto (the tiny proxy's if its checkpoint exists, else independent) | proxy | independent

@@ -39,6 +39,8 @@ class Projected:
     decode_forwards: int = 0  # target forwards of the last record (its prefill included)
     note: str = ""
     machine: VirtualMachine | None = None
+    K: int | None = None  # the draft length a speculative method ran
+    extra: dict[str, float] = field(default_factory=dict)  # EXTRA_STATS the records carried
 
 
 def proxy_overrides(proxy: str, trained: bool, tier: str, method: str, slots: tuple[int | None, int],
@@ -68,7 +70,9 @@ def held_out_prompts(checkpoint: Path, count: int, length: int) -> list[torch.Te
     from specter.routing_stats import HELD_OUT, held_out_docs
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    docs, _ = held_out_docs(tokenizer, HELD_OUT, 64 * count * length)
+    # documents arrive in a fixed order whatever the budget, so a larger count only appends prompts; the budget
+    # stays under what the bundled held-out sets hold (about 31k tokens)
+    docs, _ = held_out_docs(tokenizer, HELD_OUT, min(64 * count * length, 24_000))
     long_enough = [d[:length] for d in docs if len(d) >= length]
     if len(long_enough) < count:
         raise ValueError(f"only {len(long_enough)} held-out documents have {length} tokens; {count} prompts asked")
@@ -77,67 +81,128 @@ def held_out_prompts(checkpoint: Path, count: int, length: int) -> list[torch.Te
 
 def one_window(machine: VirtualMachine, log_start: int, window: int) -> list[tuple[str, str, float, float]]:
     """The clock's ops of the `window`-th speculative window of the first measured record (from the end
-    of one verification to the end of the next), times relative to its start."""
+    of one verification to the end of the next), times relative to its start; the record's last window when it
+    has fewer (a long K covers a short record in a window or two)."""
     ends = [f.end for f in machine.forwards if f.kind == "target" and f.end >= machine.clock.log[log_start][2]]
-    if len(ends) < window + 2:
+    if len(ends) < 2:
         return []
+    window = min(window, len(ends) - 2)
     t0, t1 = ends[window], ends[window + 1]
     return [(s, op, a - t0, b - t0) for s, op, a, b in machine.clock.log[log_start:] if t0 <= a < t1]
 
 
-def run_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prompts: list[torch.Tensor], new_tokens: int,
-               warmup_tokens: int, slots: tuple[int | None, int], timeline_window: int = 2) -> Projected:
-    """Build `cfg.method` with the harness's builder, attach the machine, decode the prompts; the projection."""
+# Load-efficiency columns the engine's records may carry (read with .get: absent until the engine reports them).
+# Each is the mean over the measured records, in the proxy's own terms (per tiny layer and window).
+EXTRA_STATS = ("loads_per_window_layer", "retention_hits", "loads_over_belady", "belady_loads_per_token")
+
+
+@dataclass
+class Session:
+    """A built method on a machine: what `measure` decodes with."""
+
+    method: object
+    machine: VirtualMachine
+    handles: list
+
+
+def open_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prepare=None) -> Session:
+    """Build `cfg.method` with the harness's builder and attach a fresh machine; `prepare(method)` runs before
+    attaching (e.g. a draft of another precision, whose calibration must not be charged)."""
     from specter.harness.methods import build_method
 
     method = build_method(cfg, checkpoint)
     try:
+        if prepare is not None:
+            prepare(method)
         rt = getattr(method, "rt", None)
         layers = list(rt.om.moe_layers) if rt is not None else _moe_layers(method.model)
         machine = VirtualMachine(cm, layers)
-        handles = attach(method, machine)
-        gen = torch.Generator().manual_seed(int(cfg.seed))
-        method.reset()
-        method.generate(prompts[0], warmup_tokens, gen)  # warm-up: the planner's estimates learn the clock
-        if hasattr(method, "warmed"):
-            method.warmed()
-        decode_s, steps, loads, busy = 0.0, 0, 0, 0.0
-        drafted = accepted = 0
-        tokens: list[list[int]] = []
-        timeline: list = []
-        for i, prompt in enumerate(prompts):
-            method.reset()
-            machine.clock.sync()  # records do not overlap: the previous one's copies have landed
-            f0, log0 = len(machine.forwards), len(machine.clock.log)
-            out = method.generate(prompt, new_tokens, gen)
-            ends = [f.end for f in machine.forwards[f0:] if f.kind == "target"]
-            first, last = ends[0], ends[-1]
-            decode_s += last - first
-            steps += len(out.tokens) - 1
-            loads += machine.real_loads(since=first)
-            busy += machine.copy_busy(first, last)
-            drafted += int(out.stats.get("drafted_tokens") or 0)
-            accepted += int(out.stats.get("accepted_tokens") or 0)
-            tokens.append(list(out.tokens))
-            last_targets = len(ends)
-            if i == 0 and cfg.method.name in SPECULATIVE:
-                timeline = one_window(machine, log0, timeline_window)
-        for h in handles:
-            h.remove()
-        log = getattr(method, "route_log", None) or getattr(getattr(method, "engine", None), "route_log", None)
-        rt = getattr(method, "rt", None)
-        resident = int(rt.resident) if rt is not None else None
-        staging = int(rt.cache.staging) if rt is not None else 0
-        speculative = cfg.method.name in SPECULATIVE
-        return Projected(
-            method=str(cfg.method.name), tpot=decode_s / steps if steps else None,
-            loads_per_token=loads / steps if steps and rt is not None else None,
-            copy_busy=busy / decode_s if decode_s and rt is not None else None,
-            acceptance=accepted / drafted if speculative and drafted else None, resident=resident, staging=staging,
-            tokens=tokens, timeline=timeline,
-            route_windows=list(log.windows) if log is not None else [], decode_forwards=last_targets, machine=machine)
-    finally:
+        return Session(method, machine, attach(method, machine))
+    except BaseException:
         method.close()
+        raise
+
+
+def set_K(session: Session, K: int) -> None:
+    """The built method at draft length K: a new engine over the same runtime, draft and machine (what the
+    builder would make at that K; building the method again per K of a profile costs seconds each)."""
+    from dataclasses import replace
+
+    from specter.projection.virtual import attach_engine
+
+    method = session.method
+    if not hasattr(method, "make_engine"):
+        raise TypeError(f"{type(method).__name__} has no draft length to set")
+    method.spec = replace(method.spec, K=K)
+    method.K = K
+    method.engine = method.make_engine()
+    method.batch_engines = []
+    attach_engine(method.engine, method.rt, session.machine)
+
+
+def close(session: Session) -> None:
+    for h in session.handles:
+        h.remove()
+    session.method.close()
+
+
+def measure(session: Session, name: str, seed: int, prompts: list[torch.Tensor], new_tokens: int, warmup_tokens: int,
+            timeline_window: int = 2) -> Projected:
+    """One warm-up record, then each prompt from the reset cache; TPOT per the paper on the virtual clock."""
+    method, machine = session.method, session.machine
+    gen = torch.Generator().manual_seed(seed)
+    method.reset()
+    method.generate(prompts[0], warmup_tokens, gen)  # warm-up: the planner's estimates learn the clock
+    if hasattr(method, "warmed"):
+        method.warmed()
+    decode_s, steps, loads, busy = 0.0, 0, 0, 0.0
+    drafted = accepted = 0
+    tokens: list[list[int]] = []
+    timeline: list = []
+    extra: dict[str, list[float]] = {k: [] for k in EXTRA_STATS}
+    for i, prompt in enumerate(prompts):
+        method.reset()
+        machine.clock.sync()  # records do not overlap: the previous one's copies have landed
+        f0, log0 = len(machine.forwards), len(machine.clock.log)
+        out = method.generate(prompt, new_tokens, gen)
+        ends = [f.end for f in machine.forwards[f0:] if f.kind == "target"]
+        first, last = ends[0], ends[-1]
+        decode_s += last - first
+        steps += len(out.tokens) - 1
+        loads += machine.real_loads(since=first)
+        busy += machine.copy_busy(first, last)
+        drafted += int(out.stats.get("drafted_tokens") or 0)
+        accepted += int(out.stats.get("accepted_tokens") or 0)
+        for key in EXTRA_STATS:
+            if out.stats.get(key) is not None:
+                extra[key].append(float(out.stats[key]))
+        tokens.append(list(out.tokens))
+        last_targets = len(ends)
+        if i == 0 and name in SPECULATIVE:
+            timeline = one_window(machine, log0, timeline_window)
+    log = getattr(method, "route_log", None) or getattr(getattr(method, "engine", None), "route_log", None)
+    rt = getattr(method, "rt", None)
+    speculative = name in SPECULATIVE
+    return Projected(
+        method=name, tpot=decode_s / steps if steps else None,
+        loads_per_token=loads / steps if steps and rt is not None else None,
+        copy_busy=busy / decode_s if decode_s and rt is not None else None,
+        acceptance=accepted / drafted if speculative and drafted else None,
+        resident=int(rt.resident) if rt is not None else None, staging=int(rt.cache.staging) if rt is not None else 0,
+        tokens=tokens, timeline=timeline, route_windows=list(log.windows) if log is not None else [],
+        decode_forwards=last_targets, machine=machine, K=getattr(method, "K", None),
+        extra={k: sum(v) / len(v) for k, v in extra.items() if v})
+
+
+def run_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prompts: list[torch.Tensor], new_tokens: int,
+               warmup_tokens: int, slots: tuple[int | None, int], timeline_window: int = 2, prepare=None) -> Projected:
+    """Build `cfg.method` with the harness's builder, attach the machine, decode the prompts; the projection."""
+    session = open_method(cfg, checkpoint, cm, prepare)
+    try:
+        return measure(session, str(cfg.method.name), int(cfg.seed), prompts, new_tokens, warmup_tokens,
+                       timeline_window)
+    finally:
+        close(session)
 
 
 def _moe_layers(model: torch.nn.Module) -> list[int]:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from specter.metrics import CommitClock
 from specter.offload.link import Ticket, TransferLink
 from specter.projection.clock import Event, VirtualClock
 from specter.projection.cost_model import CostModel
@@ -185,7 +186,35 @@ class VirtualLink(TransferLink):
         return Event("compute", self.machine.now, "slot released")
 
 
+class VirtualCommitClock(CommitClock):
+    """A request's commit clock read from the compute stream: a commit is stamped when the host (which
+    follows compute) makes it, so batched TPOT and throughput are virtual seconds like everything else."""
+
+    def __init__(self, machine: VirtualMachine):
+        super().__init__()
+        self.machine = machine
+
+    def start(self) -> None:
+        super().start()
+        self.start_s = self.machine.now
+
+    def commit(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self.stamps.append(self.machine.now - self.excluded_s)
+            self.counts.append(num_tokens)
+
+
 # -- attaching a built method --------------------------------------------------------------------
+
+def attach_engine(engine, rt, machine: VirtualMachine) -> None:
+    """One speculative engine on the machine: the virtual runtime, its link's busy seconds, the planner's
+    step clock and its requests' commit clocks. Engines built after `attach` (a batch's) need this too."""
+    engine.rt = rt
+    engine.recorder.link = rt.link
+    engine.recorder.begin_run()
+    engine.step_clock = lambda: machine.now
+    engine.commit_clock = lambda: VirtualCommitClock(machine)
+
 
 def _lm_head(model: torch.nn.Module) -> torch.nn.Module:
     head = getattr(model, "lm_head", None)
@@ -229,10 +258,7 @@ def attach(method, machine: VirtualMachine) -> list:
     method.rt = replace(rt, link=link)
     for engine in [getattr(method, "engine", None), *getattr(method, "batch_engines", [])]:
         if engine is not None:
-            engine.rt = method.rt
-            engine.recorder.link = link
-            engine.recorder.begin_run()
-            engine.step_clock = lambda: machine.now
+            attach_engine(engine, method.rt, machine)
     rt.moe.meter = machine
     handles.append(_lm_head(rt.model).register_forward_hook(_head_hook(machine, rt.moe, None)))
     draft_moe, draft_model = getattr(method, "draft_moe", None), getattr(method, "draft_model", None)

@@ -41,7 +41,9 @@ COSTS: dict[str, Cost] = {
     "bench-draft-kernel": Cost(120.0, 0.0),  # --quick: 5 timed calls per point, about 2 min on 2 cores
     "bench-verify": Cost(15.0, 0.0, 15.0),   # per tiny model
     "bench-prefetch": Cost(10.0, 1.2, 3.0),  # 15 in-process runs: 19 s of records in the reference
-    "project": Cost(0.0, 0.0, 45.0),        # per real model x tier: dsv2 high took 40 s on 2 cores
+    "project": Cost(0.0, 0.0, 420.0),       # per real model x tier: dsv2 high's rows and K profiles took 8.8 min on 2
+                                            # cores under a load of 4 (its first GPTQ draft included); --batch and
+                                            # --alpha add minutes to the high-tier cells that run them
     "figures": Cost(40.0, 0.0),
 }
 FULL_SCALE = {"bench-draft-kernel": 5.0, "bench-verify": 5.0}  # ARTIFACT.md: ~5 min each without --quick

@@ -272,11 +272,16 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
     else:
         plan.notes.append("bench-verify, bench-prefetch: tiny models only (MODELS has none)")
     if tiny and s.hardware != "cuda":  # the projection runs the tiny proxies on a virtual clock (no device)
-        plan.add("project", "project",
-                 [py, "-m", "specter.projection.grid", "--results", str(s.results)],
-                 needs=tiny_needs, checks=tuple(Check("csv", s.results / "project" / f"{r}-{t}-a100_40gb_pcie4" /
-                                                      "projection.csv")
-                                                for r in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low")),
+        cells = s.results / "project"
+        plan.add("project", "project",  # with the batching (Table 3's models, high tier) and α-curve steps
+                 [py, "-m", "specter.projection.grid", "--results", str(s.results), "--batch", "--alpha"],
+                 needs=tiny_needs,
+                 checks=(*(Check("csv", cells / f"{r}-{t}-a100_40gb_pcie4" / "projection.csv")
+                           for r in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low")),
+                         *(Check("csv", cells / f"{r}-high-a100_40gb_pcie4" / "batch_projection.csv")
+                           for r in ("dsv2", "qwen15moe")),
+                         *(Check("csv", cells / f"{r}-high-a100_40gb_pcie4" / "alpha_curve.csv")
+                           for r in ("dsv2", "qwen15moe", "phi35moe"))),
                  units=6)
     plan.add("figures", "figures", [py, "make_figures.py", "--results", str(s.results), "--figures", str(s.figures)])
     return plan

@@ -21,7 +21,7 @@ requests share its batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -103,6 +103,9 @@ class BatchLoop:
     device: torch.device
 
     max_holes: int = 0  # rejected KV columns kept masked before a compaction (see BatchKV)
+    # Makes each request's commit clock; a modelled device stamps commits on its own clock
+    # (specter/projection/virtual.py), the host's perf_counter otherwise.
+    commit_clock: Callable[[], CommitClock] = CommitClock
 
     def submit(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
                rid: int | None = None, clock: CommitClock | None = None) -> Request:
@@ -113,7 +116,7 @@ class BatchLoop:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         req = Request(self._next_rid if rid is None else rid, int(prompt.numel()), max_new_tokens, generator,
-                      prompt=prompt.tolist(), clock=clock or CommitClock())
+                      prompt=prompt.tolist(), clock=clock or self.commit_clock())
         self._next_rid += 1
         self.queue.append((req, prompt))
         self.submitted.append(req)
