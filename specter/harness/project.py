@@ -189,7 +189,7 @@ def engine_rows(cfg: DictConfig, cm, px) -> tuple[list[dict], dict]:
     from specter.projection.steps import draft_name, engine_runs
 
     runs, profiled = engine_runs(px, cm)
-    draft = draft_name(str(cfg.project.quant))
+    draft = draft_name(str(cfg.project.quant), px.draft_bits)
     rows, primary = [], {}
     for name, source, r in runs:
         primary.setdefault(name, r)  # the first row of a method is its primary one (its timeline, its tokens)
@@ -254,7 +254,7 @@ def project_rows(cfg: DictConfig) -> tuple[list[dict[str, str]], dict]:
     facts = {"real": real, "proxy": base["proxy"], "trained": px.trained if px is not None else None,
              "source": source, "resident": M, "staging": staging, "shape": cm.s, "device": cm.d.name,
              "h2d_ms": cm.h2d() * 1e3, "tokens": int(p.tokens), "runs": run["runs"], "K": K, "cm": cm, "px": px,
-             "draft": draft_name(str(p.quant)), "profile_rows": run["profile_rows"]}
+             "draft": draft_name(str(p.quant), px.draft_bits if px is not None else 4), "profile_rows": run["profile_rows"]}
     return rows, facts
 
 

@@ -51,11 +51,13 @@ def check_project(cfg: DictConfig) -> None:
             raise ConfigError(f"project.alpha_drafts: {err}") from None
 
 
-def draft_name(quant: str) -> str:
-    """The draft every speculative row runs: the paper's GPTQ INT4 g128, or its RTN counterpart."""
+def draft_name(quant: str, bits: int = 4) -> str:
+    """The draft every speculative row is charged as: the paper's GPTQ INT4 g128, or its RTN counterpart;
+    a proxy whose GPTQ precision is calibrated (`model.draft_bits`) is named with the bits its acceptance comes from."""
     from specter.projection.drafts import DraftSpec
 
-    return DraftSpec(quant, 4, 128).name
+    name = DraftSpec(quant, 4, 128).name
+    return name if bits == 4 or quant != "gptq" else f"{name} (acceptance: the proxy's {bits}-bit calibration)"
 
 
 class Proxy:
@@ -81,6 +83,11 @@ class Proxy:
         if K is not None and not any(o.startswith("K=") for o in over):
             over.append(f"K={K}")  # a method whose default K is its own (SpecMoEOff)
         return compose([*over, f"prefix_tokens={int(self.cfg.prefix_tokens)}"])
+
+    @property
+    def draft_bits(self) -> int:
+        """The proxy's GPTQ draft precision (its acceptance calibration, `model.draft_bits`)."""
+        return int(self.config("specter").model.get("draft_bits") or 4)
 
     @property
     def checkpoint(self):
