@@ -426,7 +426,8 @@ def test_staging_buffers_leave_room_for_the_largest_batch(tiny_checkpoint):
 
     tiny_checkpoint("tiny_dsv2")
     base = ["model=tiny_dsv2", "memory=high", "method=specter", "method.quant=rtn", "hardware=emulated",
-            "hardware.bandwidth_gbps=20", "hardware.latency_us=5", "method.staging_per_layer=64"]  # budget-bound
+            "hardware.bandwidth_gbps=20", "hardware.latency_us=5", "method.staging_per_layer=64",
+            "memory.slots=budget"]  # budget-bound: the tiny tier's own rule
     single = build_method(compose(base), tiny_checkpoint("tiny_dsv2"))
     batched = build_method(compose([*base, "experiment=batch", "batch.sizes=[1,32]"]), tiny_checkpoint("tiny_dsv2"))
     try:

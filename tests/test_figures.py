@@ -142,6 +142,38 @@ def _projection(folder: Path) -> None:
            ("compute", "L1 expert 3", 1.2, 1.3)]
     pd.DataFrame([("dsv2", "high", "a100_40gb_pcie4", "GPTQ INT4 g128", "specter", 16, *op) for op in ops],
                  columns=list(TIMELINE_FIELDS)).to_csv(folder / "timeline.csv", index=False)
+    _projected_batching(folder)
+    _projected_alpha(folder)
+
+
+def _projected_batching(folder: Path) -> None:
+    """project.batch=true's two CSVs: TPOT and throughput against B, and the paper's claims beside them."""
+    from specter.harness.project import BATCH_VS_PAPER_FIELDS
+    from specter.projection.batching import BATCH_FIELDS
+
+    rows = []
+    for method, tpot1, growth in (("specter", 33.8, 1.5), ("specmoeoff", 50.2, 4.0)):
+        for B in (1, 2, 4, 8, 16, 32):
+            tpot = tpot1 * (1 + (growth - 1) * (B - 1) / 31)
+            rows.append(dict(zip(BATCH_FIELDS, ("dsv2", "high", "a100_40gb_pcie4", "GPTQ INT4 g128", method, 16, B, B,
+                                                64, tpot, 1000 * B / tpot, 30.0, 0.9, 40, tpot / tpot1,
+                                                B * tpot1 / tpot))))
+    pd.DataFrame(rows, columns=list(BATCH_FIELDS)).to_csv(folder / "batch_projection.csv", index=False)
+    claims = [("batch_tpot_ratio", "specter", "", 1, 32, 1.65, 1.5, "", ""),
+              ("batch_tpot_speedup", "specter", "specmoeoff", 32, 32, 6.02, 3.95, 3.95, 32)]
+    pd.DataFrame([("dsv2", "high", "a100_40gb_pcie4", "GPTQ INT4 g128", *c) for c in claims],
+                 columns=list(BATCH_VS_PAPER_FIELDS)).to_csv(folder / "batch_vs_paper.csv", index=False)
+
+
+def _projected_alpha(folder: Path) -> None:
+    """project.alpha=true's CSV: projected TPOT against the acceptance each draft precision reached."""
+    from specter.projection.alpha import ALPHA_FIELDS
+
+    rows = [("dsv2", "high", "a100_40gb_pcie4", method, 16, f"GPTQ INT{bits} g128", bits, 128, "gptq", alpha,
+             tpot, 60.0, 0.95)
+            for method, slow in (("specter", 1.0), ("specmoeoff", 1.4))
+            for bits, alpha, tpot in ((2, 0.80, 48.0 * slow), (3, 0.93, 38.0 * slow), (4, 0.98, 33.8 * slow))]
+    pd.DataFrame(rows, columns=list(ALPHA_FIELDS)).to_csv(folder / "alpha_curve.csv", index=False)
 
 
 def make_figures(results: Path, figures: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -168,10 +200,12 @@ def test_every_figure_written_as_png_and_pdf(built):
     figures, res = built
     for name in ("fig07_k_sweep", "fig09_planner_timeline", "fig10_draft_kernel_latency", "fig11_draft_kernel_speedup",
                  "fig13_routing", "fig14_tpot", "fig15_batch_tpot", "fig16_batch_working_set", "io_vs_oracle",
-                 "verify_schedule", "fig_load_ratio", "fig_staging_ablation"):
+                 "verify_schedule", "fig_load_ratio", "fig_staging_ablation", "fig15_projected_batch",
+                 "fig_projected_alpha"):
         for ext in ("png", "pdf"):
             assert (figures / f"{name}.{ext}").stat().st_size > 1000, name
-    for name in ("table_headline_speedup", "table3_batch", "table_batch_scaling", "paper_vs_here"):
+    for name in ("table_headline_speedup", "table3_batch", "table_batch_scaling", "paper_vs_here",
+                 "table3_projected_batch", "table3_projected_vs_paper", "table_projected_alpha"):
         assert (figures / f"{name}.csv").exists() and (figures / f"{name}.md").exists()
     assert "skipped" not in res.stdout and "FAILED" not in res.stdout
     assert "skipped" not in (figures / "index.md").read_text()

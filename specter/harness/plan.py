@@ -120,7 +120,7 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
     from baselines.mixtral_offloading import same_memory_slots
     from baselines.specmoeoff import real_expert_count
     from baselines.vllm_engine import cpu_offload_gib
-    from specter.harness.runtime import budget_bytes, scratch_bytes
+    from specter.harness.sizing import budget_bytes, scratch_bytes
     from specter.offload.budget import STAGING_PER_LAYER, staging_buffers
     from specter.models.footprint import model_facts
     from specter.models.loading import DTYPES

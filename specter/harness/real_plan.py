@@ -50,6 +50,13 @@ def wants_real_plan(cfg: DictConfig) -> bool:
     return source == "real_plan" and m.get("source") == "tiny" and bool(m.get("real")) and not user_sized
 
 
+def largest_batch(cfg: DictConfig) -> int:
+    """The largest batch this run serves: its layout must hold that many requests' KV and scratch."""
+    if cfg.get("experiment") == "batch" and cfg.get("batch"):
+        return max(int(b) for b in cfg.batch.sizes)
+    return 1
+
+
 def real_plan_config(cfg: DictConfig) -> DictConfig:
     """The run's config with the real model in place of the tiny one, on the paper's GPU and dtype."""
     from specter.harness.compose import CONF_DIR, hardware_defaults
@@ -65,7 +72,8 @@ def real_plan_config(cfg: DictConfig) -> DictConfig:
     with open_dict(plan):
         plan.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), data)
         plan.hardware = OmegaConf.merge(OmegaConf.structured(HardwareConfig), hardware_defaults("cuda"))
-        plan.batch = {"sizes": [1]}
+        # experiment=batch runs every size on one device layout: the plan's at the largest size
+        plan.batch = {"sizes": [largest_batch(cfg)]}
         if str(cfg.method.name) in ("specter", "moe_spec"):
             plan.K = effective_K(cfg)  # the window this run verifies (a profiled K too): its KV and scratch
         plan.pop("k_profile", None)  # (SpecMoEOff reads its own K, as the plan does)
@@ -84,7 +92,7 @@ def planned_slots(cfg: DictConfig) -> PlannedSlots | None:
         return None
     plan_cfg = real_plan_config(cfg)
     rows, facts = plan_rows(plan_cfg)
-    row = next(r for r in rows if r.method == method and r.batch == 1)
+    row = next(r for r in rows if r.method == method and r.batch == largest_batch(cfg))
     where = f"plan of {plan_cfg.model.name} at memory={cfg.memory.name} ({facts['gpu_bytes'] / 1e9:.0f} GB GPU, {facts['dtype']})"
     if not row.fits_budget:  # the plan's minimum (one slot per layer) runs, as the projection runs it; said, not hidden
         where += (f"; over the tier's budget by {(row.total - row.budget) / 1e9:.2f} GB at its minimum of "

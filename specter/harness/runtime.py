@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from specter.harness.config import ConfigError, bind_checkpoint, effective_K, load_ratio_of, resident_experts
 from specter.harness.load_ratio import probe_decoder
 from specter.harness.real_plan import planned_slots
+from specter.harness.sizing import GB, budget_bytes, budget_spec, scratch_bytes
 from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
 from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
 from specter.moe import DraftExecutor, MoERuntime, TargetExecutor
@@ -30,7 +31,6 @@ from specter.quant.draft import draft_forward
 from specter.spec import BudgetSpec, CalibrationSpec, LinkSpec, MethodSpec
 from specter.speculative.sampling import SamplingParams
 
-GB = 1e9
 DECODE_PATHS = ("hf", "compact", "compiled")
 
 
@@ -56,22 +56,6 @@ def device_and_dtype(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
         raise ConfigError("hardware=cuda needs a CUDA GPU, and torch.cuda.is_available() is False here; "
                           "use hardware=cpu or hardware=emulated")
     return device, DTYPES[hw.dtype]
-
-
-def budget_spec(cfg: DictConfig) -> BudgetSpec:
-    """The tier's device budget: `memory.budget_mb` if given, else the model's own tier entry."""
-    mem = cfg.memory
-    tier = (cfg.model.get("tiers") or {}).get(mem.name) or {}
-    if mem.get("budget_mb") is not None:
-        return BudgetSpec(bytes=int(float(mem.budget_mb) * (1 << 20)))
-    if tier.get("budget_gb") is not None:
-        return BudgetSpec(bytes=int(float(tier.budget_gb) * GB))
-    return BudgetSpec(fraction=float(tier.get("budget_fraction", 1.0)))
-
-
-def budget_bytes(cfg: DictConfig, full_bytes: int) -> int:
-    """The tier's budget in bytes for a model of `full_bytes` (engine baselines place their own weights)."""
-    return budget_spec(cfg).resolve(full_bytes)
 
 
 def method_spec(cfg: DictConfig) -> MethodSpec:
@@ -155,11 +139,6 @@ def link_params(spec: MethodSpec, checkpoint: Path, expert_bytes: int, digest: s
           f"  load_ratio {params.load_ratio:.3g} from {link.load_ratio_source or 'model.load_ratio'}",
           flush=True)
     return params
-
-
-def scratch_bytes(model_config, K: int, batch_size: int, dtype: torch.dtype) -> int:
-    """Verification activations (a few [K+1, H] buffers per layer) and logits [K+1, V], per request."""
-    return batch_size * (K + 1) * (model_config.hidden_size * 8 + model_config.vocab_size) * torch.finfo(dtype).bits // 8
 
 
 def build_runtime(spec: MethodSpec, checkpoint: Path, resident: int | None = None,
