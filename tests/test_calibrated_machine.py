@@ -101,6 +101,23 @@ def test_staging_scales_per_layer() -> None:
     assert planned.staging(3) == round(row.staging * 3 / 26)
 
 
+def test_a_batch_experiment_takes_the_plan_at_its_largest_batch() -> None:
+    """Every batch size runs on one device layout: the real plan's at the largest size, whose KV and scratch
+    for 32 requests leave fewer staging buffers than one request's (Phi-3.5-MoE high: the budget binds)."""
+    from specter.harness.config import effective_K
+    from specter.harness.plan import plan_rows
+    from specter.harness.real_plan import planned_slots
+
+    single = planned_slots(compose(["model=tiny_phi", "memory=high", "method=specter"]))
+    batched = planned_slots(compose(["model=tiny_phi", "memory=high", "method=specter", "experiment=batch",
+                                     "batch.sizes=[1,32]"]))
+    rows, _ = plan_rows(compose(["model=phi35moe", "memory=high", "hardware=cuda", "experiment=plan",
+                                 "batch.sizes=[32]", "K=" + str(effective_K(compose(["model=tiny_phi"])))]))
+    row = next(r for r in rows if r.method == "specter")
+    assert batched.resident == single.resident and batched.staging_per_layer < single.staging_per_layer
+    assert batched.staging(32) == row.staging
+
+
 @pytest.mark.parametrize("overrides", [["memory.slots=budget"], ["memory.resident_experts=8"], ["memory.budget_mb=50"],
                                        ["method=target_only"]])
 def test_own_budget_when_asked_or_user_sized(overrides: list[str]) -> None:
