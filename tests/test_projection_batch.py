@@ -46,7 +46,9 @@ def test_throughput_is_tokens_over_the_span_of_virtual_commits(batch):
     rows = batch[0]
     for method in ("specter", "specmoeoff"):
         b1, b32 = (next(r for r in rows if r["method"] == method and r["batch_size"] == str(b)) for b in (1, 32))
-        assert float(b32["throughput_tok_s"]) > 4 * float(b1["throughput_tok_s"])
+        # 32 requests share the span: the batch's throughput is far above one request's at that TPOT
+        assert float(b32["throughput_tok_s"]) > 4 * 1e3 / float(b32["tpot_ms"])
+        assert float(b32["throughput_tok_s"]) > float(b1["throughput_tok_s"])
         # B = 1: the span holds the prefill and 4 TPOTs, so 5 tokens / span <= 5 / (4 TPOT)
         assert float(b1["throughput_tok_s"]) <= 1.25e3 / float(b1["tpot_ms"]) * (1 + 1e-3)
 
