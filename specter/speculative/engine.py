@@ -250,7 +250,14 @@ class BoundaryPrefetch(WindowPrefetch):
         self.elb = ExpertLoadBuffer(layers, num_experts, device)
 
     def boundary(self, engine: SpeculativeEngine, step: int) -> None:
-        plan = self.elb.snapshot_plan(engine.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
+        cache = engine.rt.cache
+        if cache.wants_hints:  # the residency policy keeps every resident the draft has routed to so far
+            ranked = self.elb.snapshot_plan({layer: self.elb.num_experts for layer in engine.plan_capacity})
+            for layer, experts in ranked.items():
+                cache.predict(layer, experts, {e: len(experts) - i for i, e in enumerate(experts)})
+            plan = {layer: ranked[layer][:m] for layer, m in engine.plan_capacity.items()}  # the same top-(M+s)
+        else:
+            plan = self.elb.snapshot_plan(engine.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
         if engine.rt.moe.meter is not None:
             engine.rt.moe.meter.readback()
         engine.recorder.plan(plan)
@@ -273,6 +280,9 @@ class OraclePrefetch(WindowPrefetch):
             tok = engine.probe_pass(tok, log)[:, -1].argmax(-1)[:, None]
         engine.kv.discard_pending()
         plan = oracle_plan(log.windows, engine.plan_capacity)
+        if engine.rt.cache.wants_hints:
+            for layer, experts in plan.items():
+                engine.rt.cache.predict(layer, experts)
         engine.recorder.trace.dropped_prefetches += prefetch_plan(engine.rt.cache, plan)
         engine.recorder.plan(plan)
         spent = time.perf_counter() - start
@@ -450,6 +460,7 @@ class SpeculativeEngine(BatchLoop):
         rec.lap()
         target_logits = self.verify_pass(torch.cat([last, drafts], dim=1))  # [B, Kb+1, V]
         self.cache.release_prefetches()  # mispredicted prefetches give their slots back
+        self.cache.end_window()  # the residency policy's window evidence ends here
         rec.score_prediction(self.plan_capacity)
         accepted, tokens = self._accept(drafts, q, target_logits, limits)
         rec.lap()
