@@ -27,7 +27,7 @@ from specter.models.loading import load_full_model
 from specter.moe import RouteLog
 from specter.offload.calibrate import LinkParams
 from specter.offload.runtime import Runtime
-from specter.predict.oracle import oracle_bytes
+from specter.predict.oracle import load_columns, oracle_bytes
 from specter.predict.planner import PrefetchPlanner
 from specter.quant.draft import build_draft
 from specter.spec import MethodSpec
@@ -184,6 +184,7 @@ class OffloadAR(Method):
                                              clock, on_step=log.begin_window)  # one window per step
         stats = {**io_stats(self.rt.cache, self.rt.link.busy_seconds - busy0), "oracle_h2d_bytes": oracle_bytes(self.rt, log),
                  **self.routing(log)}
+        stats.update(load_columns(self.rt, log, stats["h2d_bytes"], stats["oracle_h2d_bytes"], len(tokens)))
         self.route_log = log
         return Generation(tokens, clock, stats, {"routes": log.rows()})
 
