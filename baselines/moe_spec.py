@@ -110,6 +110,9 @@ class MoESpec(Specter):
 
     name = "moe_spec"
 
+    def residency(self) -> str:
+        return "lru"  # the design's cache; the window-aware policy is Specter's
+
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         m, E = cfg.method, int(cfg.model.num_experts)
         B = E // 2 if m.budget is None else m.budget

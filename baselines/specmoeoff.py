@@ -150,6 +150,9 @@ class SpecMoEOff(Specter):
     name = "specmoeoff"
     microbatches = 2  # the Specter paper's SpecMoEOff decodes a batch as two microbatches sharing one cache
 
+    def residency(self) -> str:
+        return "lru"  # the design's cache; the window-aware policy is Specter's
+
     def draft_length(self, cfg: DictConfig) -> tuple[int, str]:
         """K and where it came from: K=, else its own K profile (k_profile=), else the fixed method.K."""
         if cfg.get("K") is not None:

@@ -77,6 +77,7 @@ class MethodSpec:
     prefetch: str = "adaptive"  # planner policy (see specter.predict.planner.POLICIES)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     planner_state: str = "warm"  # warm | cold | carry
+    residency: str = "lru"  # the expert cache's residency policy: lru | window (specter.offload.policy)
     schedule: str = "expert"  # verification schedule: expert | token
     decode_path: str = "hf"  # single-request forwards: hf (transformers' modules) | compact (specter.models.compact)
     # | compiled (the compact decoder, its one-token step traced by torch.compile; target_only only)

@@ -284,9 +284,10 @@ def test_moe_spec_unbinding_budget_is_specter_and_a_small_one_loads_less(tiny_ch
     ck = tiny_checkpoint("tiny_dsv2")
     prompt = PROMPTS[0]
     runs = {}
+    # MoE-Spec keeps the LRU cache of its design: it is compared with Specter at method.residency=lru
     for name, extra in [("specter", []), ("full", ["method.budget=64"]), ("small", ["method.budget=3"])]:
         m = build_method(_cfg("tiny_dsv2", "low", "moe_spec" if extra else "specter", "method.quant=rtn", "K=8",
-                              *extra), ck)
+                              *(extra or ["method.residency=lru"])), ck)
         try:
             gen = m.generate(prompt, N, torch.Generator().manual_seed(0))
             windows = m.engine.route_log.windows

@@ -13,6 +13,7 @@ from specter.kernels.select import KERNELS as DRAFT_KERNELS
 from specter.models.loading import DTYPES
 from specter.moe import SCHEDULES
 from specter.offload.link import LINK_KINDS
+from specter.offload.policy import RESIDENCIES
 from specter.predict.planner import POLICIES
 from specter.quant.draft import QUANT_METHODS
 from specter.speculative.engine import PLANNER_STATES
@@ -104,7 +105,7 @@ def validate(cfg: DictConfig) -> None:
              f"{m.name} keeps every weight on the device and does not apply a memory budget; drop "
              "memory.budget_mb, or use an offloading method (offload_ar, specter)")
     for key, choices in (("prefetch", POLICIES), ("schedule", SCHEDULES), ("quant", QUANT_METHODS),
-                         ("planner_state", PLANNER_STATES)):
+                         ("planner_state", PLANNER_STATES), ("residency", RESIDENCIES)):
         if m.get(key) is not None:
             _choice(f"method.{key}", m.get(key), choices)
     if m.get("calibration_prompts") is not None:

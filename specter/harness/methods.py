@@ -27,7 +27,7 @@ from specter.models.loading import load_full_model
 from specter.moe import RouteLog
 from specter.offload.calibrate import LinkParams
 from specter.offload.runtime import Runtime
-from specter.predict.oracle import oracle_bytes
+from specter.predict.oracle import load_columns, oracle_bytes
 from specter.predict.planner import PrefetchPlanner
 from specter.quant.draft import build_draft
 from specter.spec import MethodSpec
@@ -184,6 +184,7 @@ class OffloadAR(Method):
                                              clock, on_step=log.begin_window)  # one window per step
         stats = {**io_stats(self.rt.cache, self.rt.link.busy_seconds - busy0), "oracle_h2d_bytes": oracle_bytes(self.rt, log),
                  **self.routing(log)}
+        stats.update(load_columns(self.rt, log, stats["h2d_bytes"], stats["oracle_h2d_bytes"], len(tokens)))
         self.route_log = log
         return Generation(tokens, clock, stats, {"routes": log.rows()})
 
@@ -233,6 +234,7 @@ class Specter(Method):
         except BaseException:
             rt.close()
             raise
+        self.rt.cache.set_residency(self.residency())
         self.engine = self.make_engine()
         self.batch_engines: list[SpeculativeEngine] = []
         self.verify = spec.verify_lossless and self.params.temperature == 0
@@ -269,6 +271,11 @@ class Specter(Method):
                                  planner_config=s.planner, planner_state=s.planner_state,
                                  expert_filter=self.expert_filter(), plan_cap=s.plan_cap, planner=self.planner(),
                                  drafter=self.drafter(), trace_windows=s.trace_windows)
+
+    def residency(self) -> str:
+        """The expert cache's residency policy (`specter.offload.policy`): `method.residency`; a baseline
+        keeps the policy its design gives it."""
+        return self.spec.residency
 
     def expert_filter(self):
         """Verification-time expert filter (None: every routed expert is computed, lossless)."""
@@ -346,7 +353,7 @@ class Specter(Method):
 
     def static_fields(self) -> dict[str, Any]:
         return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.target.schedule,
-                "prefetch": self.engine.prefetch, "resident_experts": self.rt.resident,
+                "prefetch": self.engine.prefetch, "residency": self.rt.cache.residency, "resident_experts": self.rt.resident,
                 "decode_path": self.spec.decode_path, **self.rt.record_fields()}
 
     def environment(self) -> dict[str, Any]:

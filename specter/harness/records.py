@@ -37,6 +37,11 @@ COLUMNS = (
     # expert I/O (metrics.io_stats) and prediction
     "h2d_bytes", "demand_hits", "demand_misses", "hit_rate", "copy_wait_ms", "overlap_fraction",
     "prefetch_precision", "prefetch_recall", "dropped_prefetches", "oracle_h2d_bytes",
+    # load efficiency (predict.oracle.load_columns; retention: speculative windows only): the cache's residency
+    # policy, expert loads per window and MoE layer, experts resident at a window's start that it used (and of
+    # those, reloaded within it), H2D bytes over the Belady bound at the method's slots, the bound per token
+    "residency", "loads_per_window_layer", "retention_hits", "retention_reloads", "loads_over_belady",
+    "belady_loads_per_token",
     # routing regime (metrics.window_routing over the target's RouteLog): distinct experts per window and
     # MoE layer, and that over independent routing's E·(1 − (1 − k/E)^n)
     "window_experts", "window_experts_vs_independent",
@@ -52,7 +57,7 @@ COLUMNS = (
     # when it ran (unix seconds) and its place in a cell's round of interleaved methods (empty outside a cell)
     "started_at", "finished_at", "slot",
 )
-TEXT_COLUMNS = frozenset({"method", "model", "memory", "dataset", "hardware", "schedule", "prefetch", "draft_quant",
+TEXT_COLUMNS = frozenset({"method", "model", "memory", "dataset", "hardware", "schedule", "prefetch", "residency", "draft_quant",
                           "decode_path", "budget_mode", "lossless_check", "prompt_sha256", "output_digest"})
 NUMERIC_COLUMNS = tuple(c for c in COLUMNS if c not in TEXT_COLUMNS)
 REQUIRED_COLUMNS = (*KEY_COLUMNS, "new_tokens", "output_digest")  # empty in none of a finished record
@@ -81,14 +86,15 @@ def record_key(row: dict[str, Any]) -> tuple[str, ...]:
 # Physical bounds of a measurement: a value outside them is a hand edit or a bug, never a result.
 NON_NEGATIVE = ("K", "resident_experts", "batch_size", "prefix_tokens", "tpot_ms", "ttft_ms", "e2e_ms",
                 "accepted_tokens", "drafted_tokens", "mean_accepted_len", "h2d_bytes", "demand_hits", "demand_misses",
-                "copy_wait_ms", "dropped_prefetches", "oracle_h2d_bytes", "expert_budget", "first_divergence",
+                "copy_wait_ms", "dropped_prefetches", "oracle_h2d_bytes", "loads_per_window_layer", "retention_hits",
+                "retention_reloads", "loads_over_belady", "belady_loads_per_token", "expert_budget", "first_divergence",
                 "target_nll", "peak_memory_bytes", "staging_buffers", "footprint_bytes", "budget_bytes", "slot_bytes",
                 "staging_bytes", "draft_bytes", "seed", "load_ratio", "effective_load_ratio", "layer_step_ms",
                 "expert_load_ms", "window_experts", "window_experts_vs_independent", "started_at", "finished_at", "slot")
 FRACTIONS = ("accepted_fraction", "acceptance_alpha", "hit_rate", "overlap_fraction", "prefetch_precision",
              "prefetch_recall", "token_match_fraction")
 # (part, whole): a count can never exceed the total it is a part of
-PARTS = (("accepted_tokens", "drafted_tokens"), ("started_at", "finished_at"))
+PARTS = (("accepted_tokens", "drafted_tokens"), ("started_at", "finished_at"), ("retention_reloads", "retention_hits"))
 
 
 def _number(values: dict[str, str], column: str) -> float | None:

@@ -77,7 +77,7 @@ def method_spec(cfg: DictConfig) -> MethodSpec:
         draft_bits=int(cfg.model.get("draft_bits") or 4), draft_group_size=int(cfg.model.get("draft_group_size") or 128),
         calibration=calibration_spec(cfg),
         prefetch=str(m.get("prefetch") or "none"), planner=PlannerConfig(**(m.get("planner") or {})),
-        planner_state=str(m.get("planner_state") or "warm"), schedule=str(m.get("schedule") or "expert"),
+        planner_state=str(m.get("planner_state") or "warm"), residency=str(m.get("residency") or "lru"), schedule=str(m.get("schedule") or "expert"),
         resident=resident_experts(cfg), decode_path=decode_path(cfg),
         staging=staging,
         staging_per_layer=float(m.get("staging_per_layer", STAGING_PER_LAYER)),

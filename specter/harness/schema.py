@@ -105,6 +105,7 @@ class SpecterMethodConfig(OffloadMethodConfig):
     calibration_prompts: int = 16
     prefetch: str = "adaptive"  # adaptive | none | early | late | oracle
     planner_state: str = "warm"  # warm | cold | carry
+    residency: str = "window"  # expert cache residency: window (window-aware, specter.offload.policy) | lru
     planner: dict[str, float] = field(default_factory=dict)  # PlannerConfig overrides
     trace_windows: bool = False  # write every window's pipeline events to trace.csv (host-timed links)
 
@@ -300,6 +301,7 @@ class SpecMoEOffArtifactMethodConfig(SeparateDraftMethodConfig):
 
 @dataclass
 class MoESpecMethodConfig(SpecterMethodConfig):
+    residency: str = "lru"  # MoE-Spec keeps the LRU cache of its design
     budget: Optional[int] = None  # experts kept per MoE layer per verification pass; null = half the routed experts
     budget_mode: str = "substitute"  # truncate | substitute
 

@@ -19,7 +19,8 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     if "hit_rate" not in df:  # records of an older layout: the same rate from the counts
         demand = df["demand_hits"] + df["demand_misses"]
         df["hit_rate"] = df["demand_hits"] / demand.where(demand > 0)
-    for col in ("window_experts", "window_experts_vs_independent"):
+    for col in ("window_experts", "window_experts_vs_independent", "loads_per_window_layer", "retention_hits",
+                "retention_reloads", "belady_loads_per_token"):
         if col not in df:
             df[col] = float("nan")
     agg = df.groupby(GROUP, sort=False).agg(
@@ -35,6 +36,12 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         window_experts=("window_experts", "mean"),
         window_experts_vs_independent=("window_experts_vs_independent", "mean"),
         prefetch_recall=("prefetch_recall", "mean"),
+        # load efficiency (predict.oracle.load_columns): loads per window and MoE layer, retained experts a window
+        # used (and of those, reloaded within it) per record, the Belady bound in loads per token
+        loads_per_window_layer=("loads_per_window_layer", "mean"),
+        retention_hits=("retention_hits", "mean"),
+        retention_reloads=("retention_reloads", "mean"),
+        belady_loads_per_token=("belady_loads_per_token", "mean"),
         # the emulated link as it ran (harness/load_ratio.py): configured and mean effective ratio, flagged records
         load_ratio=("load_ratio", "first"),
         effective_load_ratio=("effective_load_ratio", "mean"),
@@ -43,6 +50,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     bytes_sum = df.groupby(GROUP, sort=False)["h2d_bytes"].sum()
     oracle_sum = df.groupby(GROUP, sort=False)["oracle_h2d_bytes"].sum(min_count=1)
     agg["oracle_ratio"] = bytes_sum / oracle_sum.where(oracle_sum > 0)
+    agg["loads_over_belady"] = agg["oracle_ratio"]  # the same ratio of sums, under the name records carry
     return agg.reset_index()
 
 

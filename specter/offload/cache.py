@@ -1,4 +1,6 @@
-"""Per-layer expert slot cache: LRU policy (plain Python) over device slots (movement via a link).
+"""Per-layer expert slot cache: a residency policy (plain Python, `specter.offload.policy`) over device
+slots (movement via a link). The policy decides which resident a load replaces (``residency``: ``lru``,
+the default, or ``window``); the cache only moves bytes and passes the window's hints on.
 
 Each MoE layer owns M fixed device slots (M = cache capacity of that layer). A slot
 holds one expert's flat buffer and carries two orderings:
@@ -21,129 +23,14 @@ own M experts; the pool's bytes are part of ``device_bytes()``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
 import torch
 
 from .link import CompletedTicket, Ticket, TransferLink
+from .policy import RESIDENCIES, LRUPolicy, make_residency_policy
 from .store import ExpertUID, HostExpertStore
-
-
-class LRUPolicy:
-    """Eviction policy of one layer: expert -> slot map, LRU order, protection counts."""
-
-    def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._slot: dict[int, int] = {}  # expert -> slot
-        self._order: OrderedDict[int, None] = OrderedDict()  # least recently used first
-        self._protect: dict[int, int] = {}  # expert -> outstanding protections
-        self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
-
-    def lookup(self, expert: int) -> int | None:
-        """Slot holding ``expert``, or None."""
-        return self._slot.get(expert)
-
-    def touch(self, expert: int) -> None:
-        """Mark ``expert`` most recently used."""
-        self._order.move_to_end(expert)
-
-    def choose_victim(self) -> int | None:
-        """Least recently used unprotected expert, or None when all are protected."""
-        for expert in self._order:
-            if not self._protect.get(expert):
-                return expert
-        return None
-
-    def admit(self, expert: int) -> tuple[int, int | None] | None:
-        """Place a new ``expert``: a free slot, else the victim's. Returns ``(slot, evicted)``,
-        or None when the layer is full and every resident is protected."""
-        if expert in self._slot:
-            raise ValueError(f"expert {expert} is already resident in slot {self._slot[expert]}")
-        if self._free:
-            slot, evicted = self._free.pop(), None
-        else:
-            evicted = self.choose_victim()
-            if evicted is None:
-                return None
-            slot = self._slot.pop(evicted)
-            del self._order[evicted]
-        self._slot[expert] = slot
-        self._order[expert] = None
-        return slot, evicted
-
-    def protect(self, expert: int) -> None:
-        if expert not in self._slot:
-            raise KeyError(f"cannot protect non-resident expert {expert}")
-        self._protect[expert] = self._protect.get(expert, 0) + 1
-
-    def unprotect(self, expert: int) -> None:
-        count = self._protect.get(expert, 0)
-        if count < 1:
-            raise RuntimeError(f"expert {expert} is not protected")
-        if count == 1:
-            del self._protect[expert]
-        else:
-            self._protect[expert] = count - 1
-
-    def is_protected(self, expert: int) -> bool:
-        return bool(self._protect.get(expert))
-
-    def protected_count(self) -> int:
-        """Number of resident experts currently protected."""
-        return len(self._protect)
-
-    def residents(self) -> dict[int, int]:
-        """expert -> slot, a copy."""
-        return dict(self._slot)
-
-    # -- staging: a lent slot is added above the layer's own, and removed again from the top
-    def grow(self) -> int:
-        """Add one (free) slot; returns its id (= the old capacity)."""
-        slot = self.capacity
-        self.capacity += 1
-        self._free.append(slot)
-        return slot
-
-    def holder(self, slot: int) -> int | None:
-        """Expert in ``slot``, or None when it is free."""
-        return next((e for e, s in self._slot.items() if s == slot), None)
-
-    def evict(self, expert: int) -> int:
-        """Remove an unprotected ``expert``; returns the slot it freed."""
-        if self._protect.get(expert):
-            raise RuntimeError(f"cannot evict protected expert {expert}")
-        slot = self._slot.pop(expert)
-        del self._order[expert]
-        self._free.append(slot)
-        return slot
-
-    def relocate(self, expert: int, slot: int) -> int:
-        """Move an unprotected ``expert`` into the free ``slot``; returns the slot it left (now free)."""
-        if self._protect.get(expert) or slot not in self._free:
-            raise RuntimeError(f"cannot move expert {expert} into slot {slot}")
-        old = self._slot[expert]
-        self._free.remove(slot)
-        self._free.append(old)
-        self._slot[expert] = slot
-        return old
-
-    def drop_top_slot(self) -> None:
-        """Remove the highest slot, which must be free."""
-        top = self.capacity - 1
-        if top not in self._free or top == 0:
-            raise RuntimeError(f"slot {top} is not free (or is the last slot)")
-        self._free.remove(top)
-        self.capacity -= 1
-
-    def lru_order(self) -> list[int]:
-        return list(self._order)
-
-    def __len__(self) -> int:
-        return len(self._slot)
 
 
 @dataclass
@@ -168,6 +55,7 @@ class CacheCounters:
     prefetch_loads: int = 0
     prefetch_used: int = 0  # prefetch loads later consumed by a demand acquire
     loads: int = 0
+    refused_by_policy: int = 0  # loads the residency policy refused (every unprotected resident still wanted)
     staged_loads: int = 0  # loads placed in a borrowed staging buffer (all own slots protected)
     h2d_bytes: int = 0
     copy_wait_s: float = 0.0
@@ -203,7 +91,11 @@ class ExpertCache:
         dtype: torch.dtype,
         initial_residents: Mapping[int, Sequence[int]] | None = None,
         staging: int = 0,
+        residency: str = "lru",
     ):
+        if residency not in RESIDENCIES:
+            raise ValueError(f"unknown residency {residency!r}; choose one of {RESIDENCIES}")
+        self.residency = residency
         if dtype != store.layout.dtype:
             raise ValueError(f"slot dtype {dtype} differs from the host store's {store.layout.dtype}")
         for layer, m in capacity.items():
@@ -228,7 +120,7 @@ class ExpertCache:
         self._layers: dict[int, _Layer] = {}
         for layer, m in capacity.items():
             slots = torch.empty(m, store.layout.numel, dtype=dtype, device=self.device)  # [M, numel]
-            self._layers[layer] = _Layer(LRUPolicy(m), slots, [CompletedTicket()] * m, [None] * m)
+            self._layers[layer] = _Layer(make_residency_policy(residency, m), slots, [CompletedTicket()] * m, [None] * m)
         if staging < 0:
             raise ValueError(f"staging buffers must be >= 0, got {staging}")
         self._staging = torch.empty(staging, store.layout.numel, dtype=dtype, device=self.device)  # [S, numel]
@@ -246,7 +138,7 @@ class ExpertCache:
             before = st.policy.residents()
             ready = [t.done() for t in st.ready]
             own = [st.rows[s].data_ptr() == st.slots[s].data_ptr() for s in range(st.own)]  # staging may have swapped buffers
-            policy = LRUPolicy(st.own)
+            policy = make_residency_policy(self.residency, st.own)
             for slot, expert in enumerate(self._initial[layer]):
                 got = policy.admit(expert)
                 assert got is not None and got[0] == slot
@@ -264,6 +156,36 @@ class ExpertCache:
 
     def reset_counters(self) -> None:
         self.counters = CacheCounters()
+        self.load_log: list[tuple[int, int]] = []  # (layer, expert) of every load, in submission order
+
+    def set_residency(self, residency: str) -> None:
+        """Switch every layer to residency policy ``residency`` (`policy.RESIDENCIES`) and reset."""
+        if residency not in RESIDENCIES:
+            raise ValueError(f"unknown residency {residency!r}; choose one of {RESIDENCIES}")
+        self.residency = residency
+        self.reset()
+
+    # -- hints: what the window knows, passed to the layer's policy (LRU ignores them) ----------
+    @property
+    def wants_hints(self) -> bool:
+        """Whether the policy decides by the window's hints (callers may skip computing them otherwise)."""
+        return self.residency != "lru"
+
+    def predict(self, layer: int, experts, counts=None) -> None:
+        """While drafting: the draft routed to ``experts`` of ``layer`` in this window."""
+        self._layer(layer).policy.predict(experts, counts)
+
+    def begin_pass(self, layer: int, order, tokens) -> None:
+        """A verification pass of ``layer`` will compute the groups ``order`` (``tokens``: expert -> tokens)."""
+        self._layer(layer).policy.begin_pass(order, tokens)
+
+    def end_pass(self, layer: int) -> None:
+        self._layer(layer).policy.end_pass()
+
+    def end_window(self) -> None:
+        """The window is over (after verification and `release_prefetches`)."""
+        for st in self._layers.values():
+            st.policy.end_window()
 
     def snapshot_counters(self) -> dict[str, float]:
         return asdict(self.counters)
@@ -347,6 +269,9 @@ class ExpertCache:
             st.policy.touch(uid.expert)
             return uid, st, slot, st.ready[slot], True
         got = st.policy.admit(uid.expert)
+        if got is None and st.policy.refuses():  # the policy keeps every unprotected resident: skip, borrow nothing
+            self.counters.refused_by_policy += 1
+            return None
         if got is None and self._pool:  # every own slot protected: borrow a staging buffer
             buf, last_use = self._pool.pop()
             st.policy.grow()
@@ -362,6 +287,7 @@ class ExpertCache:
         st.ready[slot] = ticket
         st.last_use[slot] = None
         self.counters.loads += 1
+        self.load_log.append((uid.layer, uid.expert))
         self.counters.h2d_bytes += self.nbytes_per_expert
         return uid, st, slot, ticket, False
 
@@ -452,6 +378,7 @@ class ExpertCache:
         if st.policy.lookup(handle.uid.expert) != handle.slot:
             raise RuntimeError(f"stale handle: {handle.uid} no longer occupies slot {handle.slot} (cache reset?)")
         st.policy.unprotect(handle.uid.expert)
+        st.policy.served(handle.uid.expert)
         if self._use_events:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))

@@ -56,6 +56,9 @@ def expert_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
     hits = [uid for uid in needed if cache.is_resident(uid)]
     waiting = deque(uid for uid in needed if not cache.is_resident(uid))
     ready: deque[SlotHandle] = deque()
+    if cache.wants_hints:  # the pass's known routes: the policy replaces only what the pass no longer needs
+        cache.begin_pass(layer, [u.expert for u in hits] + [u.expert for u in waiting],
+                         {e: len(tok) for e, (tok, _) in by_expert.items()})
     for uid in hits:
         handle = cache.acquire(uid)
         assert handle is not None, "a resident expert can always be acquired"
@@ -112,6 +115,8 @@ def expert_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
             f"layer {layer}: all {cache.capacity(layer)} expert slots are protected elsewhere; "
             f"cannot load expert {waiting[0].expert}"
         )
+    if cache.wants_hints:
+        cache.end_pass(layer)
 
     final = torch.zeros_like(x)  # [T, H]
     for e in sorted(outputs):

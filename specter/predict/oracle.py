@@ -108,6 +108,22 @@ def oracle_bytes(rt, log) -> int:
     return oracle_h2d_bytes(per_layer, capacity, rt.cache.initial_residents(), rt.om.store.nbytes_per_expert)
 
 
+def load_columns(rt, log, h2d_bytes: int, oracle: int, new_tokens: int) -> dict[str, float | None]:
+    """Record columns of a run's load efficiency, from its H2D bytes and its Belady bound (`oracle_bytes`):
+
+    - loads_per_window_layer: expert loads per route-log window (the prefill, each verification pass or
+      autoregressive step) and MoE layer, the windows the bound is computed over;
+    - loads_over_belady: H2D bytes over the bound at the method's own slots (1 = as few as a perfect future);
+    - belady_loads_per_token: the bound in expert loads per generated token."""
+    eb = rt.om.store.nbytes_per_expert
+    cells = len(log.windows) * len(rt.om.moe_layers)
+    return {
+        "loads_per_window_layer": h2d_bytes / eb / cells if cells else None,
+        "loads_over_belady": h2d_bytes / oracle if oracle else None,
+        "belady_loads_per_token": oracle / eb / new_tokens if new_tokens else None,
+    }
+
+
 def oracle_plan(windows: list[dict[int, set[int]]], capacity: Mapping[int, int]) -> dict[int, list[int]]:
     """The oracle prefetch policy's plan: per layer, the experts a probe's positions used most.
 

@@ -36,7 +36,7 @@ from specter.moe import ExpertFilter, RouteLog
 from specter.offload.runtime import Runtime
 from specter.offload.store import ExpertUID
 from specter.predict.elb import ExpertLoadBuffer
-from specter.predict.oracle import oracle_bytes, oracle_plan
+from specter.predict.oracle import load_columns, oracle_bytes, oracle_plan
 from specter.predict.planner import POLICIES, PlannerConfig, PrefetchPlanner, make_policy
 from specter.speculative.batch_state import Request
 from specter.speculative.batched import BatchLoop, BatchRun, greedy_verify_batch, padding_filter, working_set
@@ -60,6 +60,8 @@ class WindowTrace:
     predicted: int = 0  # Σ |predicted|: experts the planner's top-M plans named
     actual_capped: int = 0  # Σ min(|actual|, prediction size): what a prediction of that size could cover
     dropped_prefetches: int = 0  # planned loads that found every slot pinned
+    retention_hits: int = 0  # Σ over windows and layers: experts resident at the window's start that it used
+    retention_reloads: int = 0  # of those, the ones evicted during the window and loaded again
     phases: list[tuple[str, int, int, int]] = field(default_factory=list)  # (phase, start, end, batch)
     windows: list[dict[str, float]] = field(default_factory=list)  # per-window timing (draft, verify, link)
 
@@ -135,6 +137,8 @@ class WindowRecorder:
         self.predicted: dict[int, set[int]] = defaultdict(set)
         self.marks: list[float] = []
         self.window0 = (0, 0.0)
+        self.start_residents: dict[int, set[int]] = {}
+        self.loads0 = 0
 
     def observing(self):
         """While the run steps: the link reports every copy to the tracer (when tracing)."""
@@ -143,6 +147,9 @@ class WindowRecorder:
     def begin_window(self, cache, Kb: int) -> None:
         self.window0 = (self.link.bytes_copied, self.link.busy_seconds)
         self.predicted = defaultdict(set)
+        self.cache = cache
+        self.start_residents = {layer: cache.resident(layer) for layer in self.layers}
+        self.loads0 = len(cache.load_log)
         if self.tracer is not None:
             self.tracer.begin_window({layer: cache.resident(layer) for layer in self.layers}, Kb)
         self.marks = [time.perf_counter()]
@@ -183,6 +190,12 @@ class WindowRecorder:
                 req.accepted.append(accepted[b])
         self.trace.drafted.append(sum(limits))
         self.trace.accepted.append(sum(accepted))
+        used = self.route_log.windows[-1]
+        reloaded = set(self.cache.load_log[self.loads0:])
+        for layer in self.layers:
+            kept = self.start_residents.get(layer, set()) & used.get(layer, set())
+            self.trace.retention_hits += len(kept)
+            self.trace.retention_reloads += sum((layer, e) in reloaded for e in kept)
         moved, busy = self.link.bytes_copied - self.window0[0], self.link.busy_seconds - self.window0[1]
         self.trace.windows.append({"draft_s": t1 - t0, "verify_s": t2 - t1, "h2d_bytes": moved,
                                    "link_busy_s": busy, "batch": len(reqs), "Kb": Kb})
@@ -250,7 +263,14 @@ class BoundaryPrefetch(WindowPrefetch):
         self.elb = ExpertLoadBuffer(layers, num_experts, device)
 
     def boundary(self, engine: SpeculativeEngine, step: int) -> None:
-        plan = self.elb.snapshot_plan(engine.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
+        cache = engine.rt.cache
+        if cache.wants_hints:  # the residency policy keeps every resident the draft has routed to so far
+            ranked = self.elb.snapshot_plan({layer: self.elb.num_experts for layer in engine.plan_capacity})
+            for layer, experts in ranked.items():
+                cache.predict(layer, experts, {e: len(experts) - i for i, e in enumerate(experts)})
+            plan = {layer: ranked[layer][:m] for layer, m in engine.plan_capacity.items()}  # the same top-(M+s)
+        else:
+            plan = self.elb.snapshot_plan(engine.plan_capacity)  # layer -> top-(M+s) counted experts; one D2H copy
         if engine.rt.moe.meter is not None:
             engine.rt.moe.meter.readback()
         engine.recorder.plan(plan)
@@ -273,6 +293,9 @@ class OraclePrefetch(WindowPrefetch):
             tok = engine.probe_pass(tok, log)[:, -1].argmax(-1)[:, None]
         engine.kv.discard_pending()
         plan = oracle_plan(log.windows, engine.plan_capacity)
+        if engine.rt.cache.wants_hints:
+            for layer, experts in plan.items():
+                engine.rt.cache.predict(layer, experts)
         engine.recorder.trace.dropped_prefetches += prefetch_plan(engine.rt.cache, plan)
         engine.recorder.plan(plan)
         spent = time.perf_counter() - start
@@ -403,7 +426,9 @@ class SpeculativeEngine(BatchLoop):
         req = self.submit(prompt_ids, max_new_tokens, generator, clock=clock)
         self.run()
         stats = {k: v for k, v in self.batch_stats().items() if k not in BATCH_ONLY}
-        return req.tokens[:max_new_tokens], {**stats, **req.stats}
+        tokens = req.tokens[:max_new_tokens]
+        stats.update(load_columns(self.rt, self.route_log, stats["h2d_bytes"], stats["oracle_h2d_bytes"], len(tokens)))
+        return tokens, {**stats, **req.stats}
 
     @torch.inference_mode()
     def run(self) -> list[Request]:
@@ -450,6 +475,7 @@ class SpeculativeEngine(BatchLoop):
         rec.lap()
         target_logits = self.verify_pass(torch.cat([last, drafts], dim=1))  # [B, Kb+1, V]
         self.cache.release_prefetches()  # mispredicted prefetches give their slots back
+        self.cache.end_window()  # the residency policy's window evidence ends here
         rec.score_prediction(self.plan_capacity)
         accepted, tokens = self._accept(drafts, q, target_logits, limits)
         rec.lap()
@@ -548,6 +574,8 @@ def speculative_run_stats(engines: Sequence[SpeculativeEngine]) -> dict[str, Any
         "prefetch_precision": hits / predicted if predicted else None,
         "prefetch_recall": hits / capped if predicted and capped else None,
         "dropped_prefetches": sum(t.dropped_prefetches for t in traces),
+        "retention_hits": sum(t.retention_hits for t in traces),
+        "retention_reloads": sum(t.retention_reloads for t in traces),
         "oracle_h2d_bytes": oracle_bytes(first.rt, first.route_log),
     }
 

@@ -1,0 +1,167 @@
+"""Expert loads per token, loads over the Belady bound and TPOT: Specter's residency lru vs window, beside
+MO-SM and SpecMoEOff, interleaved record by record as `experiment=cell` measures a cell.
+
+For each model x memory tier it composes the cell's configuration (`experiment=cell`, the emulated link at
+the model's default load ratio), builds one run folder per variant under --out, and measures the records
+in rounds with the order rotated every round (specter/harness/cell.py's protocol; Specter appears twice,
+once per `method.residency`, which a plain cell cannot list). Then it prints and writes one CSV row per
+(model, tier, variant):
+
+    loads_per_token          H2D expert loads per generated token (records' h2d_bytes / expert bytes)
+    loads_over_belady        H2D bytes over the Belady bound at the variant's own slots (sums over records)
+    belady_loads_per_token   the bound in loads per token
+    loads_per_window_layer   loads per route-log window and MoE layer (the windows the bound is over)
+    retention_hits / _reloads  experts resident at a window's start that it used / of those, loaded again
+    tpot_ms                  median TPOT; speedup_vs_lru: median paired TPOT ratio specter[lru] / variant
+                             with its bootstrap 95% CI (>1: the variant is faster)
+
+    python scripts/bench_load_efficiency.py --models tiny_dsv2 tiny_qwen --memory high \\
+        --num-prompts 2 --max-new-tokens 48 --quant rtn
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import OmegaConf, open_dict
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = (  # (name, method, method overrides)
+    ("specter[lru]", "specter", {"residency": "lru"}),
+    ("specter[window]", "specter", {"residency": "window"}),
+    ("mo_sm", "mo_sm", {}),
+    ("specmoeoff", "specmoeoff", {}),
+)
+
+
+def variant_configs(cfg, variants, out: Path, quant: str | None):
+    from specter.harness.cell import method_config
+
+    subs = []
+    for name, method, extra in variants:
+        sub = method_config(cfg, method)
+        with open_dict(sub):
+            for key, value in extra.items():
+                OmegaConf.update(sub, f"method.{key}", value, force_add=True)
+            if quant and "quant" in sub.method:
+                sub.method.quant = quant
+            sub.output_dir = str(out / name.replace("[", "-").replace("]", ""))
+        subs.append(sub)
+    return subs
+
+
+def measure_cell(cfg, variants, out: Path, quant: str | None) -> list[tuple[str, Path]]:
+    """The cell's records, interleaved (specter.harness.cell.run_cell's loop over our variants)."""
+    from specter.harness.cell import rotation
+    from specter.harness.output import run_folder
+    from specter.harness.run import MethodSession, prepare, prompt_texts, provenance_of, record_keys
+    from specter.harness.summary import write_summary
+
+    subs = variant_configs(cfg, variants, out, quant)
+    preps = [prepare(sub, sub.num_prompts) for sub in subs]
+    keys = record_keys(subs[0], preps[0])
+    with ExitStack() as stack:
+        sessions = []
+        for sub, prep in zip(subs, preps):
+            folder = stack.enter_context(run_folder(sub, provenance_of(prep.prompt_sets), prompts=prompt_texts(prep)))
+            sessions.append(MethodSession(sub, prep, folder))
+        for session in sessions:
+            stack.callback(session.close)
+        for session in sessions:
+            if session.todo:
+                session.start()
+        for n, key in enumerate(keys):
+            for slot, index in enumerate(rotation(len(sessions), n)):
+                if key in sessions[index].todo:
+                    sessions[index].measure(*key, slot=slot)
+        for session in sessions:
+            write_summary(session.out)
+        return [(name, s.out) for (name, _, _), s in zip(variants, sessions)]
+
+
+def table(model: str, tier: str, folders: list[tuple[str, Path]], expert_bytes: int) -> pd.DataFrame:
+    from specter.harness.paired import paired_ratio
+    from specter.harness.records import read_records
+
+    recs = {name: read_records(f / "records.csv").sort_values(["dataset", "prompt_index", "repeat"]) for name, f in folders}
+    base = recs.get("specter[lru]")
+    rows = []
+    for name, df in recs.items():
+        tokens = df.new_tokens.sum()
+        oracle = df.oracle_h2d_bytes.sum(min_count=1)
+        row = {
+            "model": model, "memory": tier, "variant": name, "records": len(df),
+            "resident_experts": df.resident_experts.iloc[0], "staging_buffers": df.staging_buffers.iloc[0],
+            "load_ratio": df.load_ratio.iloc[0], "effective_load_ratio": df.effective_load_ratio.mean(),
+            "acceptance_alpha": df.acceptance_alpha.mean(),
+            "loads_per_token": df.h2d_bytes.sum() / expert_bytes / tokens,
+            "loads_over_belady": df.h2d_bytes.sum() / oracle if oracle and oracle > 0 else None,
+            "belady_loads_per_token": oracle / expert_bytes / tokens if oracle == oracle else None,
+            "loads_per_window_layer": df.loads_per_window_layer.mean(),
+            "retention_hits": df.retention_hits.mean(), "retention_reloads": df.retention_reloads.mean(),
+            "hit_rate": df.hit_rate.mean(), "tpot_ms": df.tpot_ms.median(),
+        }
+        if base is not None and len(base) == len(df):
+            pr = paired_ratio(base.tpot_ms.to_numpy(), df.tpot_ms.to_numpy())
+            row.update(speedup_vs_lru=pr.median, speedup_low=pr.low, speedup_high=pr.high)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["tiny_dsv2", "tiny_qwen"])
+    ap.add_argument("--memory", nargs="+", default=["high"])
+    ap.add_argument("--dataset", default="gsm8k")
+    ap.add_argument("--num-prompts", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument("--quant", choices=["gptq", "rtn"], default=None, help="draft quantisation (default: each method's)")
+    ap.add_argument("--variants", nargs="+", default=[v[0] for v in VARIANTS], choices=[v[0] for v in VARIANTS])
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "bench" / "load_efficiency")
+    ap.add_argument("--csv", type=Path, default=None, help="default: <out>/load_efficiency.csv")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every variant (e.g. model.load_ratio=4)")
+    args = ap.parse_args(argv)
+
+    from specter.harness.compose import compose
+
+    variants = [v for v in VARIANTS if v[0] in args.variants]
+    frames = []
+    for model in args.models:
+        for tier in args.memory:
+            cfg = compose(["experiment=cell", f"model={model}", f"memory={tier}", "hardware=emulated",
+                           f"dataset={args.dataset}", f"num_prompts={args.num_prompts}", "repeats=1",
+                           f"max_new_tokens={args.max_new_tokens}", f"warmup_tokens={args.warmup_tokens}",
+                           "progress=false", *args.overrides])
+            folders = measure_cell(cfg, variants, args.out / f"{model}-{tier}", args.quant)
+            frames.append(table(model, tier, folders, _expert_bytes(cfg)))
+            print(frames[-1].to_string(index=False, float_format=lambda v: f"{v:.3g}"), flush=True)
+    result = pd.concat(frames, ignore_index=True)
+    path = args.csv or args.out / "load_efficiency.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result.to_csv(path, index=False)
+    print(f"wrote {path}")
+    return 0
+
+
+def _expert_bytes(cfg) -> int:
+    """Bytes of one routed expert of the configured model at the run's dtype (gate_up [2I,H] and down [H,I])."""
+    import json
+
+    import torch
+
+    from specter.harness.runtime import device_and_dtype, model_checkpoint
+
+    _, dtype = device_and_dtype(cfg)
+    conf = json.loads((model_checkpoint(cfg) / "config.json").read_text())
+    inter = conf.get("moe_intermediate_size") or conf["intermediate_size"]
+    return 3 * conf["hidden_size"] * inter * torch.tensor([], dtype=dtype).element_size()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
