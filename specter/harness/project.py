@@ -25,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 from specter.harness.config import ConfigError
 
 REAL_MODELS = ("dsv2", "qwen15moe", "phi35moe")
-PROJECTED = ("target_only", "offload_ar", "mo_sc", "mo_sm", "specmoeoff", "moe_spec", "specter")
 ROUTE_CHOICES = ("auto", "proxy", "independent")
 # draft: the INT4 draft a speculative row ran; K and k_source: its draft length, "profiled" (on the modelled
 # device) or "paper" (the method's default: the paper's K, SpecMoEOff's artifact K = 3); the last four columns

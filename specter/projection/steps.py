@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError
 
+PROJECTED = ("target_only", "offload_ar", "mo_sc", "mo_sm", "specmoeoff", "moe_spec", "specter")  # in-process methods
 PROFILABLE = ("specter", "specmoeoff")  # methods whose design tunes K (SpecMoEOff's optimizer tunes its draft length)
 BATCHED = ("specter", "specmoeoff", "moe_spec")  # methods with a batched loop on the virtual clock
 
@@ -25,7 +26,6 @@ def int_list(value, key: str, least: int = 1) -> list[int]:
 
 def check_project(cfg: DictConfig) -> None:
     """Every project.* key the engine steps read, checked before any model loads."""
-    from specter.harness.project import PROJECTED
     from specter.projection.drafts import parse_draft
 
     p = cfg.project
