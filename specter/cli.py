@@ -157,10 +157,18 @@ def serve_main(argv: list[str]) -> int:
         stopped: list[int] = []
         # uvicorn handles SIGTERM/SIGINT while it runs (stop accepting, finish in-flight requests, drain the
         # engine), then raises the signal again under the handler it found: this one, so the runtime is
-        # closed below and the exit status is 0 instead of death by the signal
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stopped.append(signum))
-        parts.server.run(sockets=[sock])
+        # closed below and the exit status is 0 instead of death by the signal. A signal that arrives
+        # before uvicorn takes the signals over stops the server too (it would run on otherwise).
+        def stop(signum, frame):  # noqa: ARG001 - the signal module's handler signature
+            stopped.append(signum)
+            parts.server.should_exit = True
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            parts.server.run(sockets=[sock])
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
         sock.close()
         served.close()
