@@ -212,7 +212,7 @@ class Engine:
         if not prompts:
             raise ConfigError("generate needs at least one prompt")
         job = self._job(prompts, max_new_tokens, temperature, top_p, seed, ignore_eos)
-        return list(self._decode(job, on_piece=None))
+        return [done for done in self._decode(job, on_piece=None) if done is not None]
 
     def stream(self, prompt: str, max_new_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, seed: int | None = None, ignore_eos: bool = False) -> Stream:
@@ -277,15 +277,16 @@ class Engine:
                                   "max_new_tokens= that hold the prompt and the output")
         return ids
 
-    def _decode(self, job: _Job, on_piece=None) -> Iterator[Completion]:
-        """Completions of `job`'s prompts in order; ``on_piece`` receives prompt 0's text as it commits."""
+    def _decode(self, job: _Job, on_piece=None) -> Iterator[Completion | None]:
+        """Completions of `job`'s prompts in order, with None after each window that completed none (so a
+        caller can hand out ``on_piece``'s text as it commits: prompt 0's, piece by piece)."""
         if not self._batched_loop:
             for i in range(len(job.prompts)):
                 yield self._whole(job, i, on_piece)
             return
         yield from self._batched(job, on_piece)
 
-    def _batched(self, job: _Job, on_piece) -> Iterator[Completion]:
+    def _batched(self, job: _Job, on_piece) -> Iterator[Completion | None]:
         import torch
 
         from specter.serve.loop import batch_loop
@@ -303,7 +304,6 @@ class Engine:
         text0 = TextStream(self.tokenizer)
         io0, biggest = _io_now(method), 0
         t0 = time.perf_counter()
-        out: dict[int, Completion] = {}
         nxt = 0
         try:
             while pending or any(i not in ended for i in reqs):
@@ -332,10 +332,11 @@ class Engine:
                         ended[i] = "length"
                     if i in ended:
                         done_at[i] = time.perf_counter()
+                if nxt not in ended:
+                    yield None  # a window passed
                 while nxt in ended:  # in order, as soon as each is complete
-                    out[nxt] = self._completion(job, nxt, reqs[nxt], sent[nxt], ended[nxt], windows[nxt],
-                                                done_at[nxt] - t0, io0, biggest)
-                    yield out.pop(nxt)
+                    yield self._completion(job, nxt, reqs[nxt], sent[nxt], ended[nxt], windows[nxt],
+                                           done_at[nxt] - t0, io0, biggest)
                     nxt += 1
         finally:
             for i, req in reqs.items():
@@ -419,7 +420,7 @@ class _Pieces:
             except StopIteration:
                 self._finished = True
                 continue
-            if self.stream is not None:
+            if done is not None and self.stream is not None:
                 self.stream.result = done
 
     def close(self) -> None:

@@ -110,3 +110,8 @@ def test_generate_refuses_bad_requests(tiny_checkpoint):
             llm.stream(["a", "b"])
         one = llm.generate("def f(x):", max_new_tokens=3, ignore_eos=True)  # a string is one prompt
         assert len(one) == 1 and len(one[0].tokens) == 3 and one[0].stats.h2d_bytes is None
+        stream = llm.stream("def f(x):", max_new_tokens=12, ignore_eos=True)
+        first = next(iter(stream))
+        assert first and stream.result is None  # text arrives while the request decodes, not at its end
+        rest = "".join(stream)
+        assert stream.result.text == first + rest and len(stream.result.tokens) == 12
