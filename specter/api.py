@@ -81,7 +81,7 @@ class Completion:
 @dataclass
 class Stream:
     """`Engine.stream`'s iterator of text pieces; ``result`` is the Completion once it is exhausted.
-    Leaving the loop early ends the request (its rows leave the batch)."""
+    A stream left early decodes no further; `close()` frees its request's rows at once."""
 
     pieces: Iterator[str]
     result: Completion | None = field(default=None)

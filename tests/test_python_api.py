@@ -19,7 +19,7 @@ DOC = REPO / "docs" / "python_api.md"
 def doc_example() -> str:
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
     assert blocks, "docs/python_api.md has no python example"
-    assert len(blocks[0].strip().splitlines()) <= 15, "the example is meant to be short"
+    assert len(blocks[0].strip().splitlines()) <= 10, "the example is meant to be ten lines"
     return blocks[0]
 
 
