@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from specter.models import tiny, tiny_train
+from specter.routing_stats import held_out_routing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with tiny.build_lock(tiny.tiny_dir(name, trained=True, root=args.root)):
                 out = tiny_train.train(name, steps=args.steps, root=args.root, progress=not args.no_progress,
-                                       balance=args.balance)
+                                       balance=args.balance, routing=held_out_routing)
             print(f"{name}: {out}")
         except tiny_train.TrainingRejected as exc:
             print(f"error: {exc}", file=sys.stderr)

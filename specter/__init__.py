@@ -26,3 +26,20 @@ for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).setLevel(_logging.ERROR)
 
 __version__ = "0.1.0"
+
+
+def load(*args, **kwargs):
+    """One method, loaded for use from Python: ``specter.load(model=..., memory=..., method=..., **overrides)``
+    returns a `specter.api.Engine` with `generate` and `stream` (docs/python_api.md). Imported on first
+    call, so importing an engine package never loads the assembly code."""
+    from specter.api import load as _load
+
+    return _load(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    if name in ("Engine", "Completion", "Stats", "Stream", "EngineClosed", "ConfigError"):
+        import specter.api as _api
+
+        return getattr(_api, name)
+    raise AttributeError(f"module 'specter' has no attribute {name!r}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 
 GENERATE_KEYS = ("prompt", "ignore_eos")  # generate's own keys; every other key=value is a config override
 
@@ -82,13 +81,12 @@ def _flag(settings: dict[str, str], key: str) -> bool:
 
 # ---------------------------------------------------------------------------------- generate
 def generate_main(argv: list[str]) -> int:
-    import torch
     from transformers import AutoTokenizer
 
+    from specter.api import Engine
     from specter.harness.config import ConfigError
     from specter.harness.runtime import model_checkpoint
     from specter.serve.build import compose_checked, load
-    from specter.serve.loop import batch_loop
 
     overrides, settings = split_overrides(argv, GENERATE_KEYS)
     if not settings.get("prompt"):
@@ -104,92 +102,19 @@ def generate_main(argv: list[str]) -> int:
     if not ids:
         raise ConfigError("the prompt has no tokens")
     # the whole prompt is decoded (run.py truncates to prefix_tokens): the decoders size their caches from it
-    served = load([*overrides, f"prefix_tokens={max(len(ids), int(cfg.prefix_tokens))}"], max_batch=1)
-    try:
-        method = served.method
-        try:
-            loop = batch_loop(method, method.params)
-        except ConfigError:
-            loop = None  # a method without a request loop: its output is printed when it finishes
-        stop = set() if ignore_eos else {t for t in [tokenizer.eos_token_id] if t is not None}
-        prompt = torch.tensor(ids, device=method.device)  # [P]
-        stats = _stream(served, loop, prompt, int(served.cfg.max_new_tokens), stop) if loop is not None else \
-            _whole(served, prompt, int(served.cfg.max_new_tokens))
-    finally:
-        served.close()
-    print(stats, file=sys.stderr, flush=True)
-    return 0
-
-
-def _io_now(method) -> tuple[int, int, int]:
-    rt = getattr(method, "rt", None)
-    if rt is None:
-        return 0, 0, 0
-    c = rt.cache.snapshot_counters()
-    return int(rt.link.bytes_copied), int(c["demand_hits"]), int(c["demand_misses"])
-
-
-def _stream(served, loop, prompt, max_new: int, stop: set[int]) -> str:
-    """Decode one request through the batched request loop, printing text as each window commits."""
-    from specter.serve.text import TextStream
-    from specter.speculative.engine import acceptance_stats
-    from specter.speculative.sampling import make_generator
-
-    method = served.method
-    text = TextStream(served.tokenizer)
-    io0 = _io_now(method)
-    req = loop.submit(prompt, max_new, make_generator(method.device, int(served.cfg.seed)))
-    sent, windows, ended = 0, 0, "length"
-    t0 = time.perf_counter()
-    while loop.queue or loop.active:
-        loop.step()
-        windows += 1
-        new = req.tokens[sent:max_new]
-        cut = next((i for i, t in enumerate(new) if t in stop), None)
-        if cut is not None:
-            new, ended = new[:cut], "eos"
-        sent += len(new)
-        sys.stdout.write(text.push(new, final=cut is not None or sent >= max_new))
+    engine = Engine(load([*overrides, f"prefix_tokens={max(len(ids), int(cfg.prefix_tokens))}"], max_batch=1))
+    try:  # the Python API's stream (specter/api.py): text as each window commits, then the statistics
+        stream = engine.stream(settings["prompt"], ignore_eos=ignore_eos)
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
         sys.stdout.flush()
-        if cut is not None:
-            loop.cancel(req)
-            break
-    wall = time.perf_counter() - t0
-    sys.stdout.write("\n")
-    io1 = _io_now(method)
-    acc = acceptance_stats(req.drafted, req.accepted)
-    return _stats_line(method.name, sent, ended, req.clock.latency()["tpot_ms"], sent / windows if windows else None,
-                       acc["acceptance_alpha"] if req.drafted else None, io1[0] - io0[0], io1[1] - io0[1],
-                       io1[2] - io0[2], getattr(method, "rt", None) is not None, wall)
-
-
-def _whole(served, prompt, max_new: int) -> str:
-    """A method with no request loop: its `generate`, printed when it returns."""
-    from specter.speculative.sampling import make_generator
-
-    method = served.method
-    t0 = time.perf_counter()
-    gen = method.generate(prompt[None], max_new, make_generator(method.device, int(served.cfg.seed)))
-    wall = time.perf_counter() - t0
-    print(served.tokenizer.decode(gen.tokens, skip_special_tokens=True), flush=True)
-    s = gen.stats
-    windows = s.get("iterations")
-    return _stats_line(method.name, len(gen.tokens), "length", gen.clock.latency()["tpot_ms"],
-                       len(gen.tokens) / windows if windows else None, s.get("acceptance_alpha"), s.get("h2d_bytes"),
-                       s.get("demand_hits"), s.get("demand_misses"), "h2d_bytes" in s, wall)
-
-
-def _stats_line(method: str, n: int, ended: str, tpot_ms, per_window, alpha, h2d, hits, misses, offloads: bool,
-                wall_s: float) -> str:
-    def f(v, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
-
-    lookups = (hits or 0) + (misses or 0)
-    parts = [f"{method}: {n} tokens ({ended}) in {wall_s:.2f} s", f"TPOT {f(tpot_ms, '.2f')} ms",
-             f"{f(per_window, '.2f')} tokens/window", f"acceptance α {f(alpha, '.3f')}",
-             f"H2D {f(h2d / n / 1024 if offloads and h2d is not None and n else None, '.1f')} KiB/token",
-             f"expert hit rate {f(hits / lookups if offloads and lookups else None, '.3f')}"]
-    return " | ".join(parts)
+        done = stream.result
+    finally:
+        engine.close()
+    print(done.stats.line(engine.method.name, done.finish_reason), file=sys.stderr, flush=True)
+    return 0
 
 
 # ---------------------------------------------------------------------------------- serve
@@ -232,10 +157,18 @@ def serve_main(argv: list[str]) -> int:
         stopped: list[int] = []
         # uvicorn handles SIGTERM/SIGINT while it runs (stop accepting, finish in-flight requests, drain the
         # engine), then raises the signal again under the handler it found: this one, so the runtime is
-        # closed below and the exit status is 0 instead of death by the signal
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stopped.append(signum))
-        parts.server.run(sockets=[sock])
+        # closed below and the exit status is 0 instead of death by the signal. A signal that arrives
+        # before uvicorn takes the signals over stops the server too (it would run on otherwise).
+        def stop(signum, frame):  # noqa: ARG001 - the signal module's handler signature
+            stopped.append(signum)
+            parts.server.should_exit = True
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            parts.server.run(sockets=[sock])
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
         sock.close()
         served.close()

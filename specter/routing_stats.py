@@ -341,6 +341,13 @@ def _load(checkpoint: str, untrained: bool):
     return model, tokenizer, conf
 
 
+def held_out_routing(name: str, model, tokenizer) -> dict:
+    """The routing report of `model` on held-out text, windows of the run config's K + 1 tokens: what a
+    tiny model's training checks its routing gates on (passed to specter.models.tiny_train.train)."""
+    K, tiers = model_defaults(name)
+    return routing_report(model, tokenizer, K + 1, tiers)
+
+
 def model_defaults(conf: str) -> tuple[int, dict[str, int]]:
     """(K, {tier: resident experts per layer}) from conf/model/<conf>.yaml."""
     from omegaconf import OmegaConf

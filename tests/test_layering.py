@@ -46,55 +46,130 @@ print("ok")
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    """specter.* modules a file imports (top-level or inside functions), resolved to module names."""
-    tree = ast.parse(path.read_text())
-    out = set()
+# ------------------------------------------------------------------------------------ the import graph
+# The app: what assembles, runs, serves and reports; the engine reaches none of it, however indirectly.
+APP = ("specter.harness", "specter.serve", "specter.cli", "specter.api", "specter.reproduce", "specter.figures",
+       "baselines")
+ENGINE = tuple(f"specter.{m}" for m in ENGINE_PACKAGES + ENGINE_MODULES) + (
+    "specter.projection.clock", "specter.projection.cost_model")  # the projection's torch-free clock and costs
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def module_files(root: Path, tops: tuple[str, ...] = ("specter", "baselines")) -> dict[str, Path]:
+    """Dotted module name -> file, for the packages under `root`."""
+    return {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+            for top in tops if (root / top).is_dir() for p in (root / top).rglob("*.py")}
+
+
+def _imports(path: Path, module: str, modules: dict[str, Path]) -> set[str]:
+    """The modules of `modules` that `path` imports, at top level or inside functions (lazy imports
+    count: they run whenever the function does). `from pkg import name` is pkg.name when that is a
+    module, else pkg; a dotted name that is not a module resolves to its nearest module."""
+    def nearest(name: str) -> str | None:
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in modules else None
+
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    for node in ast.walk(tree):
+    out: set[str | None] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("specter")}
+            out |= {nearest(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                name = ".".join(base + ([node.module] if node.module else []))
+                name = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            if name.startswith("specter"):
-                out.add(name)
-                out |= {f"{name}.{a.name}" for a in node.names}
-    return out
+            out |= {f"{name}.{a.name}" if f"{name}.{a.name}" in modules else nearest(name) for a in node.names}
+    return {m for m in out if m is not None and m != module}
+
+
+def import_graph(root: Path = REPO, tops: tuple[str, ...] = ("specter", "baselines")) -> dict[str, set[str]]:
+    """module -> the modules it imports (lazy, function-level imports included)."""
+    modules = module_files(root, tops)
+    return {mod: _imports(path, mod, modules) for mod, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return trail + [node, nxt]
+            if nxt not in state and (found := visit(nxt, trail + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [])):
+            return found
+    return None
+
+
+def paths_to(graph: dict[str, set[str]], sources: tuple[str, ...], targets: tuple[str, ...]) -> dict[str, list[str]]:
+    """For each module within `sources` that reaches a module within `targets` (through any number of
+    other modules), its shortest such import path."""
+    found = {}
+    for start in sorted(m for m in graph if _within(m, sources)):
+        before: dict[str, str | None] = {start: None}
+        queue = [start]
+        while queue:
+            node = queue.pop(0)
+            if _within(node, targets):
+                path = [node]
+                while before[path[-1]] is not None:
+                    path.append(before[path[-1]])
+                found[start] = path[::-1]
+                break
+            for nxt in sorted(graph.get(node, ())):
+                if nxt not in before:
+                    before[nxt] = node
+                    queue.append(nxt)
+    return found
 
 
 def test_no_import_cycle():
     """The module import graph of specter (lazy, function-level imports included) is acyclic."""
-    modules = {m: p for p in (REPO / "specter").rglob("*.py")
-               for m in [".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")]}
-    graph: dict[str, set[str]] = {}
-    for mod, path in modules.items():
-        for dep in _imports(path, mod):
-            while dep not in modules and "." in dep:  # `from pkg.mod import name` -> pkg.mod
-                dep = dep.rsplit(".", 1)[0]
-            if dep in modules and dep != mod and not modules[dep].name == "__init__.py":
-                graph.setdefault(mod, set()).add(dep)
-    state: dict[str, int] = {}
+    cycle = find_cycle(import_graph(REPO, ("specter",)))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
-    def visit(node: str, trail: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(trail + [node, nxt]))
-            if nxt not in state:
-                visit(nxt, trail + [node])
-        state[node] = 2
 
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [])
-    engine = [m for m in graph if m.split(".")[1] in ENGINE_PACKAGES + ENGINE_MODULES]
-    leaks = {m: sorted(d for d in graph[m] if d.startswith("specter.harness")) for m in engine}
-    assert not any(leaks.values()), leaks
+def test_the_engine_never_reaches_the_app():
+    """No engine module reaches the app (harness, serve, cli, the Python API, reproduce, figures,
+    baselines) through any chain of imports, lazy ones included."""
+    leaks = paths_to(import_graph(), ENGINE, APP)
+    assert not leaks, "\n".join(" -> ".join(path) for path in leaks.values())
+
+
+def test_an_indirect_path_to_the_app_is_caught(tmp_path):
+    """An engine module that reaches the harness only through a tool module, by a lazy import inside
+    a function, is caught; a clean engine module is not (a synthetic tree on disk and a bare graph)."""
+    files = {
+        "specter/__init__.py": "",
+        "specter/models/__init__.py": "",
+        "specter/models/trainer.py": "def check():\n    from specter.tool import report\n    return report()\n",
+        "specter/models/clean.py": "from specter.paths import x\n",
+        "specter/paths.py": "x = 1\n",
+        "specter/tool.py": "from specter import paths\n\ndef report():\n    from specter.harness.compose import CONF\n",
+        "specter/harness/__init__.py": "",
+        "specter/harness/compose.py": "CONF = 1\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    leaks = paths_to(import_graph(tmp_path, ("specter",)), ENGINE, APP)
+    assert leaks == {"specter.models.trainer": ["specter.models.trainer", "specter.tool", "specter.harness.compose"]}
+    graph = {"specter.offload.cache": {"specter.metrics"}, "specter.metrics": {"specter.util"},
+             "specter.util": {"specter.util2"}, "specter.util2": {"baselines.common"}}
+    assert paths_to(graph, ENGINE, APP)["specter.offload.cache"][-1] == "baselines.common"
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 # ------------------------------------------------------------------------------------ public names only

@@ -290,3 +290,40 @@ def test_a_non_streaming_client_that_leaves_stops_its_decoding(server):
         time.sleep(0.05)
     assert _cancelled(srv.url) == before + 1  # cancelled, not decoded to its length
     _healthy(srv.url)
+
+
+# ---------------------------------------------------------------------------------- protocol-level 400s
+def _raw(port: int, data: bytes) -> tuple[int, str, dict]:
+    """(status, content-type, JSON body) of a raw HTTP exchange."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers.get("content-type", ""), json.loads(body)
+
+
+def _post_raw(body: bytes, content_type: str | None) -> bytes:
+    ctype = f"Content-Type: {content_type}\r\n" if content_type else ""
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{ctype}Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("data,expect", [
+    (b"GARBAGE\r\n\r\n", "not valid HTTP"),  # uvicorn's own 400: was plain text
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", "not valid HTTP"),  # plain text
+    (_post_raw(b'{"model": "tiny_dsv2", "prompt": "hi"}', "text/plain"), "Content-Type: application/json"),
+    (_post_raw(b'{"model": "tiny_dsv2", "prompt": "hi"}', None), "Content-Type: application/json"),
+    (_post_raw(b'{"model": "tiny_dsv2", "prompt": ', "application/json"), "not valid JSON"),
+    (_post_raw(b'{"model": "\xff"}', "application/json"), "UTF-8"),
+])
+def test_protocol_level_400s_have_the_json_error_shape(server, data, expect):
+    srv, _ = server
+    status, ctype, body = _raw(srv.port, data)
+    assert status == 400 and ctype.startswith("application/json"), (status, ctype, body)
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error" and expect in body["error"]["message"]
+    _healthy(srv.url)

@@ -122,7 +122,7 @@ def _fake_runs(monkeypatch, tmp_path, passes: list[bool]) -> list[int]:
     runs: list[int] = []
     monkeypatch.setattr(tiny, "ensure_tiny", lambda name, root=None: tmp_path / "random")
 
-    def once(name, steps, seed, src, out, progress, balance):
+    def once(name, steps, seed, src, out, progress, balance, routing):
         runs.append(steps)
         tmp = out.with_name(out.name + ".partial")
         tmp.mkdir(parents=True, exist_ok=True)

@@ -218,6 +218,9 @@ class ResultSet:
             df = read_validated(path)
             if df is None or df.empty or "method" not in df.columns or "tpot_ms" not in df.columns:
                 continue
+            df = finite_rows(path, df)
+            if df.empty:
+                continue
             cfg = self.config(path.parent)
             for col, key in (("model", "model"), ("memory", "memory"), ("dataset", "dataset")):
                 if col not in df.columns:
@@ -288,6 +291,27 @@ class ResultSet:
         return {"model": model, "memory": name("memory"), "method": name("method"), "hardware": name("hardware"),
                 "family": self.family(str(model), folder) if model else None,
                 "run": str(Path(folder).relative_to(self.root)) if Path(folder).is_relative_to(self.root) else str(folder)}
+
+
+# A record's times are drawn and compared only as finite numbers: an `inf` (a hand edit or a bug) would
+# end the paired statistics of every figure that reads it in an error.
+FINITE_TIMES = ("tpot_ms", "tpot_fair_ms", "ttft_ms", "e2e_ms")
+
+
+def finite_rows(path: Path, df: pd.DataFrame) -> pd.DataFrame:
+    """`df` without the records whose times are not finite numbers, each file's left-out rows named in a note."""
+    bad = pd.Series(False, index=df.index)
+    reasons = []
+    for col in (c for c in FINITE_TIMES if c in df.columns):
+        off = pd.to_numeric(df[col], errors="coerce").abs().eq(float("inf"))
+        if off.any():
+            shown = sorted({str(v) for v in df.loc[off, col]})
+            reasons.append(f"{col}={', '.join(shown[:3])}")
+            bad |= off
+    if bad.any():
+        print(f"note: {path}: {int(bad.sum())} record(s) left out of every figure, their times are not finite "
+              f"numbers ({'; '.join(reasons)})")
+    return df[~bad].reset_index(drop=True)
 
 
 def drifted_mask(records: pd.DataFrame) -> pd.Series:

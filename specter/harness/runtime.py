@@ -37,9 +37,11 @@ DECODE_PATHS = ("hf", "compact", "compiled")
 def model_checkpoint(cfg: DictConfig) -> Path:
     """The checkpoint folder of the configured model (built on first use for tiny models), with the
     config's model facts checked against it and filled in from it (`bind_checkpoint`)."""
+    from specter.routing_stats import held_out_routing
+
     m = cfg.model
     checkpoint = resolve_checkpoint(m.name, m.source, trained=bool(m.get("trained")), local_dir=m.get("local_dir"),
-                                    hf_id=m.get("hf_id"), revision=m.get("revision"))
+                                    hf_id=m.get("hf_id"), revision=m.get("revision"), routing=held_out_routing)
     problem = checkpoint_problem(checkpoint, m.name, m.get("real"), offloads="schedule" in cfg.method)
     if problem:
         raise ModelUnavailable(problem)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specter.models import tiny
 from specter.models.facts import MODEL_TYPES
 from specter.paths import file_sha256
+
+if TYPE_CHECKING:
+    from specter.models import tiny_train
 
 
 class ModelUnavailable(RuntimeError):
@@ -20,16 +24,18 @@ def _has_weights(path: Path) -> bool:
 
 
 def resolve_checkpoint(name: str, source: str, trained: bool = False, local_dir: str | Path | None = None,
-                       hf_id: str | None = None, revision: str | None = None) -> Path:
+                       hf_id: str | None = None, revision: str | None = None,
+                       routing: tiny_train.RoutingCheck | None = None) -> Path:
     """Folder holding config.json, *.safetensors and the tokenizer of a model.
 
     `source="tiny"`: a locally built tiny model (`trained` picks the briefly trained variant);
     `source="hub"`: real weights in `local_dir` or already in the Hugging Face cache (never downloads).
+    `routing`: a trained tiny model's routing check, needed when it is trained here (see `ensure_trained`).
     """
     if source == "tiny":
         if name not in tiny.TINY_SPECS:
             raise ModelUnavailable(f"unknown tiny model {name!r}; choose one of {sorted(tiny.TINY_SPECS)}")
-        return ensure_trained(name) if trained else tiny.ensure_tiny(name)
+        return ensure_trained(name, routing=routing) if trained else tiny.ensure_tiny(name)
     local = Path(local_dir) if local_dir else None
     if local is not None and _has_weights(local):
         return local
@@ -52,10 +58,12 @@ def resolve_checkpoint(name: str, source: str, trained: bool = False, local_dir:
     )
 
 
-def ensure_trained(name: str, root: Path | None = None, progress: bool = True) -> Path:
+def ensure_trained(name: str, root: Path | None = None, progress: bool = True,
+                   routing: tiny_train.RoutingCheck | None = None) -> Path:
     """The trained tiny model, verified; trained on first use (a fixed number of steps, with a
     progress bar). Refused when it missed its quality gates or its files no longer match their
-    recorded sha256."""
+    recorded sha256. `routing` (specter.routing_stats.held_out_routing) checks the routing gates
+    of a training run; it is required only when the model has to be trained."""
     import sys
 
     from specter.models import tiny_train
@@ -73,7 +81,7 @@ def ensure_trained(name: str, root: Path | None = None, progress: bool = True) -
                   f"{tiny_train.estimated_minutes(name):.0f} CPU minutes; later runs reuse it from {path})",
                   file=sys.stderr, flush=True)
             try:
-                return tiny_train.train(name, root=root, progress=progress)
+                return tiny_train.train(name, root=root, progress=progress, routing=routing)
             except tiny_train.TrainingRejected as err:
                 raise ModelUnavailable(str(err)) from None
         problem = tiny_train.trained_problem(path)

@@ -25,7 +25,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -108,27 +108,26 @@ def greedy_stats(model, tokenizer, prompts=EVAL_PROMPTS, new_tokens: int = EVAL_
     return {"repeat_within_4": repeats / total, "distinct_2gram_ratio": distinct2 / n2}
 
 
-def held_out_routing(name: str, model, tokenizer) -> dict:
-    """The routing report (specter/routing_stats.py) of `model` on held-out text, windows of the
-    run config's K + 1 tokens: what the routing gates are checked on."""
-    from specter.routing_stats import model_defaults, routing_report
-
-    K, tiers = model_defaults(name)
-    return routing_report(model, tokenizer, K + 1, tiers)
+# (name, trained model, tokenizer) -> the routing report its gates are checked on. The caller passes it
+# in (specter.routing_stats.held_out_routing: held-out dataset text, the run config's K): the held-out
+# datasets and the model configs belong to the harness, which the engine never imports.
+RoutingCheck = Callable[[str, Any, Any], dict]
 
 
 LONGER = (1.5, 2.0)  # step multiples a default training is retried with when it misses a gate
 
 
 def train(name: str, steps: int | None = None, root: Path | None = None, progress: bool = True,
-          log: Callable[[str], None] | None = None, balance: float | None = None) -> Path:
+          log: Callable[[str], None] | None = None, balance: float | None = None,
+          routing: RoutingCheck | None = None) -> Path:
     """Train `name` for `steps` (default `DEFAULT_STEPS[name]`) and install it as `<name>-trained`.
 
     A CPU kind with other float rounding can leave the default recipe short of the gates (before the
     balance loss, tiny_dsv2 on AVX-512 at 640 steps: loss 4.36 but greedy repeat-within-4 0.72; at 960 steps 4.01 and
     0.17), so a default training that misses one is run again from the random checkpoint for
     `LONGER` times the steps, same seed; the report records the steps that passed. An explicit
-    `steps` is tried once. Raises `TrainingRejected` (leaving the last model in
+    `steps` is tried once. `routing` computes the routing report the gates read (see RoutingCheck;
+    required). Raises `TrainingRejected` (leaving the last model in
     `<name>-trained.rejected`) when every try misses.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -139,7 +138,7 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
     out = tiny.tiny_dir(name, trained=True, root=root)
     for i, n in enumerate(tries):
         tmp, report = train_once(name, n, tiny.TINY_SPECS[name].seed, src, out, progress,
-                                 BALANCE_COEF[name] if balance is None else float(balance))
+                                 BALANCE_COEF[name] if balance is None else float(balance), routing)
         pinned = report["pinned_sha256"]
         if pinned and pinned != report["weights_sha256"]:
             log(f"note: trained {name} differs from the pinned weights (sha256 {report['weights_sha256'][:12]} vs "
@@ -162,8 +161,11 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
 
 
 def train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress: bool,
-               balance: float) -> tuple[Path, dict]:
+               balance: float, routing: RoutingCheck | None) -> tuple[Path, dict]:
     """One training run from the random checkpoint `src`, written to `<out>.partial` with its report."""
+    if routing is None:
+        raise ValueError("training a tiny model needs its routing check: pass "
+                         "routing=specter.routing_stats.held_out_routing")
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -206,7 +208,7 @@ def train_once(name: str, steps: int, seed: int, src: Path, out: Path, progress:
         model.eval()
         after = greedy_stats(model, tokenizer)
         loss_last = sum(losses[-25:]) / len(losses[-25:])
-        routing = held_out_routing(name, model, tokenizer)
+        routing = routing(name, model, tokenizer)
         gates = {**GATES.check(loss_last, after), **routing["gates"]["passed"]}
         digest = tiny.weights_digest(model.state_dict())
         tmp = out.with_name(out.name + ".partial")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from specter.harness.config_error import ConfigError  # torch-free, as this module is
+from specter.config_error import ConfigError  # torch-free and harness-free, as this module is
 
 DEVICES = Path(__file__).resolve().parent / "devices"
 FP16 = 2

@@ -208,6 +208,10 @@ def create_app(served: Served, loop: ServingLoop, metrics: ServeMetrics, drain_t
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":  # FastAPI reads no other body as JSON
+            return fail(ApiError(400, f"the request body must be JSON sent with Content-Type: application/json "
+                                      f"(got {ctype or 'no Content-Type'!r})", code="unsupported_content_type"))
         first = err.errors()[0] if err.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         what = first.get("msg", "invalid request body")
@@ -218,6 +222,8 @@ def create_app(served: Served, loop: ServingLoop, metrics: ServeMetrics, drain_t
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        if err.status_code == 400 and "parsing the body" in str(err.detail):  # e.g. bytes that are not UTF-8
+            return fail(ApiError(400, "the request body cannot be read as JSON (it must be UTF-8 JSON text)"))
         return fail(ApiError(err.status_code, str(err.detail), kind=kind))
 
     @app.exception_handler(Exception)

@@ -3,17 +3,31 @@ loopback socket of the caller's (tests and the load benchmark)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from dataclasses import dataclass
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from specter.serve.app import create_app
+from specter.serve.app import create_app, error_body
 from specter.serve.build import Served
 from specter.serve.loop import ServingLoop
 from specter.serve.metrics import ServeMetrics
+
+
+class JsonErrorProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type] - h11's or httptools' protocol
+    """uvicorn's HTTP protocol, whose own 400 (a request it cannot parse: a garbled request line, a bad
+    Content-Length) carries the app's JSON error body instead of plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(error_body(f"the request is not valid HTTP/1.1 ({msg.rstrip('.')})",
+                                     "invalid_request_error", code="invalid_http")).encode()
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        self.transport.close()
 
 
 @dataclass
@@ -29,7 +43,7 @@ def make_server(served: Served, host: str = "127.0.0.1", port: int = 8000, max_q
     loop = ServingLoop(served.method, served.max_batch, max_queue, metrics)
     app = create_app(served, loop, metrics, drain_timeout_s)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=int(drain_timeout_s))
+                            timeout_graceful_shutdown=int(drain_timeout_s), http=JsonErrorProtocol)
     server = uvicorn.Server(config)
 
     def engine_died() -> None:  # a server whose engine has stopped answers nothing: it exits (non-zero)

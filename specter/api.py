@@ -1,0 +1,437 @@
+"""The Python API: Specter inside a program, without Hydra on the command line or an HTTP server.
+
+    import specter
+
+    with specter.load(model="tiny_dsv2", memory="low", method="specter", K=4, hardware="emulated") as llm:
+        for out in llm.generate(["def fib(n):", "import os"], max_new_tokens=32):
+            print(out.text, out.stats)               # TPOT, acceptance α, H2D bytes and loads, hit rate
+        for piece in llm.stream("class Stack:", max_new_tokens=32):
+            print(piece, end="", flush=True)
+
+`load` takes the config groups and keys of `python run.py` as keyword arguments (a dotted key as
+``**{"method.quant": "rtn"}``) and builds one Method exactly as `specter generate` and `specter serve`
+do (specter/serve/build.py: the same schema and checks, warm-up and link calibration). `generate`
+decodes its prompts together through the method's batched request loop (specter, the methods built
+on its engine, target_only, offload_ar), at most the memory tier's largest fitting batch at a time,
+and one by one for a method without one. Bad input raises the project's one-line exceptions
+(ConfigError and the other user errors of specter/harness/errors.py) before anything decodes.
+`specter generate` is this module's `stream` on the command line (specter/cli.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from specter.harness.config import SEED_LIMIT, ConfigError
+
+
+class EngineClosed(ConfigError):
+    """The engine was closed: load a new one."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    """One request's statistics. I/O counts are those of the window(s) it decoded in: shared with the
+    requests of its batch (``batch``), None for a method that keeps every expert on the device."""
+
+    tokens: int  # tokens returned
+    wall_s: float  # from the first step of its batch to the end of the request's decoding
+    tpot_ms: float | None  # time per output token after the first (the records' TPOT)
+    tokens_per_window: float | None  # tokens committed per target forward (> 1 when speculation pays)
+    acceptance_alpha: float | None  # per-token draft acceptance α; None for a non-speculative method
+    h2d_bytes: int | None  # host -> device expert bytes moved
+    expert_loads: int | None  # expert copies submitted (demand and prefetch)
+    expert_hits: int | None  # demand lookups found on the device
+    expert_misses: int | None  # demand lookups that waited for a copy
+    batch: int = 1  # requests decoded together (largest)
+
+    @property
+    def hit_rate(self) -> float | None:
+        lookups = (self.expert_hits or 0) + (self.expert_misses or 0)
+        return None if self.expert_hits is None or not lookups else self.expert_hits / lookups
+
+    def line(self, method: str, finish_reason: str) -> str:
+        """The one-line summary `specter generate` prints on stderr."""
+        def f(v, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        n = self.tokens
+        per_token = self.h2d_bytes / n / 1024 if self.h2d_bytes is not None and n else None
+        return " | ".join([f"{method}: {n} tokens ({finish_reason}) in {self.wall_s:.2f} s",
+                           f"TPOT {f(self.tpot_ms, '.2f')} ms", f"{f(self.tokens_per_window, '.2f')} tokens/window",
+                           f"acceptance α {f(self.acceptance_alpha, '.3f')}", f"H2D {f(per_token, '.1f')} KiB/token",
+                           f"expert hit rate {f(self.hit_rate, '.3f')}"])
+
+
+@dataclass
+class Completion:
+    """One prompt's output: its text, token ids, why it ended ("length" or "stop": EOS) and statistics."""
+
+    prompt: str
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats
+
+
+@dataclass
+class Stream:
+    """`Engine.stream`'s iterator of text pieces; ``result`` is the Completion once it is exhausted.
+    A stream left early decodes no further; `close()` frees its request's rows at once."""
+
+    pieces: Iterator[str]
+    result: Completion | None = field(default=None)
+
+    def __iter__(self) -> Iterator[str]:
+        return self.pieces
+
+    def __next__(self) -> str:
+        return next(self.pieces)
+
+    def close(self) -> None:
+        self.pieces.close()  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------- loading
+def overrides_of(settings: dict[str, Any]) -> list[str]:
+    """Hydra override strings of keyword settings: ``K=8`` -> "K=8", ``**{"method.quant": "rtn"}`` ->
+    "method.quant=rtn"; True/False/None as true/false/null; a string with Hydra's special characters
+    quoted."""
+    out = []
+    for key, value in settings.items():
+        if not key or not all(part.isidentifier() for part in key.lstrip("+~").split(".")):
+            raise ConfigError(f"{key!r} is not a configuration key")
+        out.append(f"{key}={_value(key, value)}")
+    return out
+
+
+def _value(key: str, value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+        return repr(value)
+    if isinstance(value, str):
+        if value and all(c.isalnum() or c in "_-./:+@" for c in value):
+            return value
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_value(key, v) for v in value) + "]"
+    raise ConfigError(f"{key}: a {type(value).__name__} is not a configuration value (use a string, number, "
+                      "bool, None or a list of them)")
+
+
+def load(model: str | None = None, memory: str | None = None, method: str | None = None, *,
+         max_batch: int | None = None, warm: bool = True, **overrides: Any) -> Engine:
+    """An Engine over one built method (see the module docstring).
+
+    ``model``, ``memory``, ``method`` choose the config groups (conf/); every other keyword is a
+    key of the run configuration (``K=8``, ``hardware="emulated"``, ``temperature=0.7``,
+    ``prefix_tokens=512`` to reserve room for longer prompts in a method without a request loop).
+    ``max_batch`` caps the requests decoded together (default: the tier's largest fitting batch,
+    at most 32)."""
+    from specter.serve.build import MAX_BATCH
+    from specter.serve.build import load as build
+
+    groups = {k: v for k, v in (("model", model), ("memory", memory), ("method", method)) if v is not None}
+    for k, v in groups.items():
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"{k} must be the name of a config in conf/{k}/, got {v!r}")
+    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+        raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+    args = overrides_of({**groups, **overrides})
+    return Engine(build(args, max_batch=max_batch or MAX_BATCH, warm=warm))
+
+
+# ---------------------------------------------------------------------------------- the engine
+class Engine:
+    """A loaded method: `generate`, `stream`, `close` (also a context manager)."""
+
+    def __init__(self, served: Any):
+        from specter.serve.loop import batch_loop
+
+        self.served = served  # specter.serve.build.Served
+        self._closed = False
+        try:  # the methods with a batched request loop decode several prompts together
+            batch_loop(served.method, served.method.params)
+            self._batched_loop = True
+        except ConfigError:
+            self._batched_loop = False  # decoded whole, one prompt at a time
+
+    # -- properties
+    @property
+    def method(self) -> Any:
+        return self.served.method
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.served.tokenizer
+
+    @property
+    def cfg(self) -> Any:
+        return self.served.cfg
+
+    @property
+    def max_batch(self) -> int:
+        return self.served.max_batch
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"batch up to {self.max_batch}"
+        return f"<specter.Engine {self.served.name} {self.method.name} {self.cfg.memory.name} tier, {state}>"
+
+    # -- lifetime
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.served.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- decoding
+    def generate(self, prompts: str | Iterable[str], max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                 ignore_eos: bool = False) -> list[Completion]:
+        """One Completion per prompt, in order. Prompt i samples from seed + i (default: the config's
+        seed); temperature 0 is greedy. Unset settings come from the configuration."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ConfigError("generate needs at least one prompt")
+        job = self._job(prompts, max_new_tokens, temperature, top_p, seed, ignore_eos)
+        return [done for done in self._decode(job, on_piece=None) if done is not None]
+
+    def stream(self, prompt: str, max_new_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, seed: int | None = None, ignore_eos: bool = False) -> Stream:
+        """The text of one prompt's output, piece by piece as windows commit (`Stream.result` afterwards)."""
+        if not isinstance(prompt, str):
+            raise ConfigError(f"stream takes one prompt (a string), got {type(prompt).__name__}")
+        job = self._job([prompt], max_new_tokens, temperature, top_p, seed, ignore_eos)
+        pieces = _Pieces(self, job)
+        stream = pieces.stream = Stream(pieces)
+        return stream
+
+    # -- internals
+    def _job(self, prompts: list[str], max_new_tokens, temperature, top_p, seed, ignore_eos) -> _Job:
+        """Checked settings and token ids, refused with a ConfigError before anything decodes."""
+        from specter.speculative.sampling import SamplingParams
+
+        if self._closed:
+            raise EngineClosed("this engine is closed; load a new one")
+        cfg = self.cfg
+        n = int(cfg.max_new_tokens) if max_new_tokens is None else max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        t = float(cfg.temperature) if temperature is None else temperature
+        p = float(cfg.top_p) if top_p is None else top_p
+        for name, v in (("temperature", t), ("top_p", p)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{name} must be a finite number, got {v!r}")
+        if t < 0:
+            raise ConfigError(f"temperature must be >= 0, got {t}")
+        if not 0 < p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {p}")
+        s = int(cfg.seed) if seed is None else seed
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s or s + len(prompts) > SEED_LIMIT:
+            raise ConfigError(f"seed must be an integer in [0, 2**31 - number of prompts), got {seed!r}")
+        if not isinstance(ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+        params = SamplingParams(float(t), float(p), int(cfg.top_k) if t > 0 else 0)
+        ids = [self._tokens(i, text, n) for i, text in enumerate(prompts)]
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        stop = frozenset() if ignore_eos or eos is None else frozenset([eos])
+        return _Job(prompts, ids, n, params, s, stop)
+
+    def _tokens(self, i: int, text: Any, n: int) -> list[int]:
+        if not isinstance(text, str):
+            raise ConfigError(f"prompt {i} is a {type(text).__name__}, not a string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ConfigError(f"prompt {i} is not valid Unicode (a lone surrogate at character {err.start})") from None
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        if not ids:
+            raise ConfigError(f"prompt {i} has no tokens")
+        ctx = int(self.served.context_length)
+        if len(ids) + n > ctx:
+            raise ConfigError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={n} it exceeds "
+                              f"{self.served.name}'s context of {ctx} tokens")
+        if not self._batched_loop:  # a whole-sequence method sizes its caches from the run's protocol
+            room = int(self.cfg.prefix_tokens) + int(self.cfg.max_new_tokens)
+            if len(ids) + n > room:
+                raise ConfigError(f"prompt {i} has {len(ids)} tokens: {self.method.name} was loaded for "
+                                  f"prefix_tokens + max_new_tokens = {room}; load it with prefix_tokens= and "
+                                  "max_new_tokens= that hold the prompt and the output")
+        return ids
+
+    def _decode(self, job: _Job, on_piece=None) -> Iterator[Completion | None]:
+        """Completions of `job`'s prompts in order, with None after each window that completed none (so a
+        caller can hand out ``on_piece``'s text as it commits: prompt 0's, piece by piece)."""
+        if not self._batched_loop:
+            for i in range(len(job.prompts)):
+                yield self._whole(job, i, on_piece)
+            return
+        yield from self._batched(job, on_piece)
+
+    def _batched(self, job: _Job, on_piece) -> Iterator[Completion | None]:
+        import torch
+
+        from specter.serve.loop import batch_loop
+        from specter.serve.text import TextStream
+        from specter.speculative.sampling import make_generator
+
+        method, device = self.method, self.method.device
+        loop = batch_loop(method, job.params)
+        pending = list(range(len(job.prompts)))
+        reqs: dict[int, Any] = {}
+        sent = {i: 0 for i in pending}
+        windows = {i: 0 for i in pending}
+        ended: dict[int, str] = {}
+        done_at: dict[int, float] = {}
+        text0 = TextStream(self.tokenizer)
+        io0, biggest = _io_now(method), 0
+        t0 = time.perf_counter()
+        nxt = 0
+        try:
+            while pending or any(i not in ended for i in reqs):
+                live = [i for i in reqs if i not in ended]
+                while pending and len(live) < self.max_batch:
+                    i = pending.pop(0)
+                    reqs[i] = loop.submit(torch.tensor(job.ids[i], device=device), job.max_new,
+                                          make_generator(device, job.seed + i))
+                    live.append(i)
+                biggest = max(biggest, len(live))
+                loop.step()
+                for i in live:
+                    req = reqs[i]
+                    windows[i] += 1
+                    new = req.tokens[sent[i]:job.max_new]
+                    cut = next((k for k, t in enumerate(new) if t in job.stop), None)
+                    if cut is not None:
+                        new = new[:cut]
+                    sent[i] += len(new)
+                    if i == 0 and on_piece is not None:
+                        on_piece(text0.push(new, final=cut is not None or sent[i] >= job.max_new))
+                    if cut is not None:
+                        loop.cancel(req)
+                        ended[i] = "stop"
+                    elif sent[i] >= job.max_new:
+                        ended[i] = "length"
+                    if i in ended:
+                        done_at[i] = time.perf_counter()
+                if nxt not in ended:
+                    yield None  # a window passed
+                while nxt in ended:  # in order, as soon as each is complete
+                    yield self._completion(job, nxt, reqs[nxt], sent[nxt], ended[nxt], windows[nxt],
+                                           done_at[nxt] - t0, io0, biggest)
+                    nxt += 1
+        finally:
+            for i, req in reqs.items():
+                if i not in ended:
+                    loop.cancel(req)
+
+    def _completion(self, job: _Job, i: int, req: Any, n: int, reason: str, windows: int, wall: float,
+                    io0: tuple[int, ...], batch: int) -> Completion:
+        from specter.speculative.engine import acceptance_stats
+
+        io1 = _io_now(self.method)
+        offloads = getattr(self.method, "rt", None) is not None
+        alpha = acceptance_stats(req.drafted, req.accepted)["acceptance_alpha"] if req.drafted else None
+        d = [b - a for a, b in zip(io0, io1)]
+        stats = Stats(n, wall, req.clock.latency()["tpot_ms"], n / windows if windows else None, alpha,
+                      *(d if offloads else (None,) * 4), batch=batch)
+        tokens = list(req.tokens[:n])
+        return Completion(job.prompts[i], self.tokenizer.decode(tokens, skip_special_tokens=True), tokens, reason,
+                          stats)
+
+    def _whole(self, job: _Job, i: int, on_piece) -> Completion:
+        """A method with no request loop: its `generate` over the whole output at once."""
+        import torch
+
+        from specter.speculative.sampling import make_generator
+
+        method = self.method
+        t0 = time.perf_counter()
+        gen = method.generate(torch.tensor([job.ids[i]], device=method.device), job.max_new,
+                              make_generator(method.device, job.seed + i))
+        wall = time.perf_counter() - t0
+        tokens = list(gen.tokens[:job.max_new])
+        cut = next((k for k, t in enumerate(tokens) if t in job.stop), None)
+        reason = "length" if cut is None else "stop"
+        tokens = tokens if cut is None else tokens[:cut]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if on_piece is not None and i == 0:
+            on_piece(text)
+        s = gen.stats
+        windows = s.get("iterations")
+        offloads = "h2d_bytes" in s
+        io = (s.get("h2d_bytes"), s.get("loads"), s.get("demand_hits"), s.get("demand_misses")) if offloads \
+            else (None,) * 4
+        stats = Stats(len(tokens), wall, gen.clock.latency()["tpot_ms"],
+                      len(gen.tokens) / windows if windows else None, s.get("acceptance_alpha"), *io)
+        return Completion(job.prompts[i], text, tokens, reason, stats)
+
+
+@dataclass(frozen=True)
+class _Job:
+    prompts: list[str]
+    ids: list[list[int]]
+    max_new: int
+    params: Any  # SamplingParams
+    seed: int
+    stop: frozenset[int]
+
+
+class _Pieces:
+    """The iterator behind a Stream: runs the decode generator, hands out prompt 0's text pieces."""
+
+    def __init__(self, engine: Engine, job: _Job):
+        self.stream: Stream | None = None
+        self._buffer: list[str] = []
+        self._gen = engine._decode(job, on_piece=self._buffer.append)
+        self._finished = False
+
+    def __iter__(self) -> _Pieces:
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            while self._buffer:
+                piece = self._buffer.pop(0)
+                if piece:
+                    return piece
+            if self._finished:
+                raise StopIteration
+            try:
+                done = next(self._gen)
+            except StopIteration:
+                self._finished = True
+                continue
+            if done is not None and self.stream is not None:
+                self.stream.result = done
+
+    def close(self) -> None:
+        self._finished = True
+        self._gen.close()
+
+
+def _io_now(method: Any) -> tuple[int, int, int, int]:
+    """(link bytes, expert loads, demand hits, demand misses) so far; zeros with no offloading runtime."""
+    rt = getattr(method, "rt", None)
+    if rt is None:
+        return 0, 0, 0, 0
+    c = rt.cache.snapshot_counters()
+    return int(rt.link.bytes_copied), int(c["loads"]), int(c["demand_hits"]), int(c["demand_misses"])
