@@ -291,11 +291,10 @@ class ResultSet:
 
 
 def drifted_mask(records: pd.DataFrame) -> pd.Series:
-    """Records flagged for a drifted link: their effective load ratio was off the configured one by more
-    than hardware.load_ratio_tolerance (records.csv `load_ratio_off` = 1); their TPOT measured another link."""
-    if "load_ratio_off" not in records.columns:
-        return pd.Series(False, index=records.index)
-    return pd.to_numeric(records["load_ratio_off"], errors="coerce").fillna(0) > 0
+    """Records flagged for a drifted link (records.csv `load_ratio_off` = 1): specter.harness.paired.flagged_mask."""
+    from specter.harness.paired import flagged_mask
+
+    return flagged_mask(records)
 
 
 def drifted_note(count: int) -> str:
