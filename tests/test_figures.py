@@ -80,7 +80,7 @@ def make_results(root: Path, with_trace: bool = True) -> Path:
               ("humaneval", 1, 2, 5, 0)]  # a zero count is not a routed expert
     pd.DataFrame([(d, 0, 0, w, layer, e, c) for d, w, layer, e, c in routes],
                  columns=["dataset", "prompt_index", "repeat", "window", "layer", "expert", "count"]).to_csv(
-        spec / "routes.csv", index=False)
+        spec / "routes.csv.gz", index=False)  # compressed, as a run writes it (pandas: gzip by the name)
     # batching (Figs. 15/16, Table 3)
     rows = []
     for ds in ("gsm8k", "humaneval"):
@@ -119,7 +119,8 @@ def make_results(root: Path, with_trace: bool = True) -> Path:
                   ("humaneval", 0, 0, 0, "wait", 1, 4, 2, 4, 0, ""),
                   ("humaneval", 0, 0, 0, "compute", 1, 4, 4, 5, 0, "")]
         pd.DataFrame(events, columns=["dataset", "prompt_index", "repeat", "window", "event", "layer", "expert",
-                                      "start_ms", "end_ms", "bytes", "phase"]).to_csv(engine / "trace.csv", index=False)
+                                      "start_ms", "end_ms", "bytes", "phase"]).to_csv(engine / "trace.csv.gz",
+                                                                                      index=False)  # compressed
     _projection(root / "project" / "dsv2-high-a100_40gb_pcie4")
     return root
 
