@@ -13,7 +13,8 @@ once per `method.residency`, which a plain cell cannot list). Then it prints and
     loads_per_window_layer   loads per route-log window and MoE layer (the windows the bound is over)
     retention_hits / _reloads  experts resident at a window's start that it used / of those, loaded again
     tpot_ms                  median TPOT; speedup_vs_lru: median paired TPOT ratio specter[lru] / variant
-                             with its bootstrap 95% CI (>1: the variant is faster)
+                             by prompt (each prompt's median over its repeats) with its bootstrap 95% CI
+                             over prompts (>1: the variant is faster; speedup_ci_straddles_1 where it holds 1)
 
     python scripts/bench_load_efficiency.py --models tiny_dsv2 tiny_qwen --memory high \\
         --num-prompts 2 --max-new-tokens 48 --quant rtn
@@ -84,7 +85,7 @@ def measure_cell(cfg, variants, out: Path, quant: str | None) -> list[tuple[str,
 
 
 def table(model: str, tier: str, folders: list[tuple[str, Path]], expert_bytes: int) -> pd.DataFrame:
-    from specter.harness.paired import paired_ratio
+    from specter.harness.paired import paired_by_prompt
     from specter.harness.records import read_records
 
     recs = {name: read_records(f / "records.csv").sort_values(["dataset", "prompt_index", "repeat"]) for name, f in folders}
@@ -105,9 +106,12 @@ def table(model: str, tier: str, folders: list[tuple[str, Path]], expert_bytes: 
             "retention_hits": df.retention_hits.mean(), "retention_reloads": df.retention_reloads.mean(),
             "hit_rate": df.hit_rate.mean(), "tpot_ms": df.tpot_ms.median(),
         }
-        if base is not None and len(base) == len(df):
-            pr = paired_ratio(base.tpot_ms.to_numpy(), df.tpot_ms.to_numpy())
-            row.update(speedup_vs_lru=pr.median, speedup_low=pr.low, speedup_high=pr.high)
+        pr = None if base is None else paired_by_prompt(
+            pd.concat([base.assign(variant="base"), df.assign(variant="this")], ignore_index=True),
+            "variant", "base", "this")  # by prompt: repeats are timing repeats of one prompt
+        if pr is not None:
+            row.update(speedup_vs_lru=pr.median, speedup_low=pr.low, speedup_high=pr.high, speedup_prompts=pr.prompts,
+                       speedup_ci_straddles_1=pr.straddles_1)
         rows.append(row)
     return pd.DataFrame(rows)
 

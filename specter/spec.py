@@ -95,7 +95,7 @@ class MethodSpec:
     verify_lossless: bool = False
     tie_tolerance: float = 0.0
     # measurement
-    trace_windows: bool = False  # record every window's pipeline events (trace.csv; host-timed links)
+    trace_windows: bool = False  # record every window's pipeline events (trace.csv.gz; host-timed links)
 
     @property
     def torch_device(self) -> torch.device:

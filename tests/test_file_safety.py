@@ -62,10 +62,12 @@ def test_figures_survive_bad_side_tables_and_config(tmp_path, capsys):
                     {"routes": [{"window": 0, "layer": 1, "expert": 2, "count": 1}],
                      "trace": [{"window": 0, "event": "copy", "start_ms": 0.0, "end_ms": 1.0, "layer": 1, "expert": 2,
                                 "bytes": 8, "phase": "", "queued_ms": 0.0}]})
-    with (out / "routes.csv").open("ab") as f:
-        f.write(b"humaneval,1,0,\xe9\xff,1,2,1\n")  # not UTF-8
-    with (out / "trace.csv").open("a") as f:
-        f.write("humaneval,1,0,1,copy,early,late,1,2,8,,0.0\n")  # not numbers
+    from specter.harness.rowstore import gzip_member
+
+    with (out / "routes.csv.gz").open("ab") as f:
+        f.write(gzip_member(b"humaneval,1,0,\xe9\xff,1,2,1\n"))  # not UTF-8
+    with (out / "trace.csv.gz").open("ab") as f:
+        f.write(gzip_member(b"humaneval,1,0,1,copy,early,late,1,2,8,,0.0\n"))  # not numbers
     (out / "config.yaml").write_text("model: [unclosed\n  name: x\n")  # not YAML
     results = ResultSet(tmp_path)
     [(_, routes)] = results.csvs("routes.csv")

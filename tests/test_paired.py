@@ -1,4 +1,5 @@
-"""Paired speedup ratios: the median of per-pair ratios, its bootstrap CI, and the compare.csv columns."""
+"""Paired speedup ratios: the median of per-pair ratios, its bootstrap CI, and the compare.csv columns
+(paired by prompt: tests/test_paired_stats.py checks the unit)."""
 
 import math
 
@@ -91,21 +92,22 @@ def test_comparison_table_adds_paired_columns():
     t = comparison_table(rec).set_index("method")
     assert t.loc["specter", "speedup_vs_offload_ar"] == 35.0 / 15.0  # ratio of median TPOTs, unchanged
     assert t.loc["specter", "speedup_paired_median"] == 2.5  # median of [2, 2, 3, 4]
-    assert t.loc["specter", "pairs"] == 4
+    assert t.loc["specter", "prompts"] == 4  # one repeat per prompt here: a prompt is a pair
+    assert not t.loc["specter", "ci_straddles_1"]
     assert 2.0 <= t.loc["specter", "speedup_ci_low"] <= 2.5 <= t.loc["specter", "speedup_ci_high"] <= 4.0
-    assert t.loc["offload_ar", "speedup_paired_median"] == 1.0 and t.loc["offload_ar", "pairs"] == 4
+    assert t.loc["offload_ar", "speedup_paired_median"] == 1.0 and t.loc["offload_ar", "prompts"] == 4
     # a prompt only one method ran, or a missing TPOT, is not a pair
     extra = pd.concat([rec, rec.iloc[[4]].assign(prompt_index=9)], ignore_index=True)
     extra.loc[0, "tpot_ms"] = float("nan")
     t = comparison_table(extra).set_index("method")
-    assert t.loc["specter", "pairs"] == 3 and t.loc["specter", "speedup_paired_median"] == 3.0  # [2, 3, 4]
+    assert t.loc["specter", "prompts"] == 3 and t.loc["specter", "speedup_paired_median"] == 3.0  # [2, 3, 4]
 
 
 def test_comparison_table_without_the_baseline_has_no_pairs():
     from specter.harness.compare import comparison_table
 
     t = comparison_table(_records().query("method == 'specter'")).set_index("method")
-    assert t.loc["specter", "pairs"] == 0 and pd.isna(t.loc["specter", "speedup_paired_median"])
+    assert t.loc["specter", "prompts"] == 0 and pd.isna(t.loc["specter", "speedup_paired_median"])
 
 
 def test_printed_table_shows_the_paired_interval(capsys):

@@ -118,8 +118,8 @@ def test_a_torn_routes_block_of_a_finished_record_is_measured_again(tmp_path, ca
     for i in range(2):
         side.append({"dataset": "humaneval", "prompt_index": i, "repeat": 0}, {"routes": _routes(4)})
         w.append(record(i))
-    data = (out / "routes.csv").read_bytes()
-    (out / "routes.csv").write_bytes(data[:-3])  # the last record's last row torn
+    data = (out / "routes.csv.gz").read_bytes()
+    (out / "routes.csv.gz").write_bytes(data[:-3])  # the last record's block torn (its gzip member cut short)
     w = RecordWriter(out / "records.csv", warn=lambda m: None)
     side = SideTables(out)
     repair_side_tables(out, w, BASE_KEY, side)
@@ -131,7 +131,7 @@ def test_a_torn_routes_block_of_a_finished_record_is_measured_again(tmp_path, ca
     w.append(record(1))
     from specter.figures.data import read_validated
 
-    routes = read_validated(out / "routes.csv")
+    routes = read_validated(out / "routes.csv.gz")
     assert (routes.prompt_index == 1).sum() == 4 and (routes.prompt_index == 0).sum() == 4
 
 
@@ -142,8 +142,8 @@ def test_a_torn_block_of_an_unfinished_record_spares_the_finished_one(tmp_path):
     side.append({"dataset": "humaneval", "prompt_index": 0, "repeat": 0}, {"routes": _routes(3)})
     w.append(record(0))
     side.append({"dataset": "humaneval", "prompt_index": 1, "repeat": 0}, {"routes": _routes(3)})
-    data = (out / "routes.csv").read_bytes()
-    (out / "routes.csv").write_bytes(data[:-3])  # killed while writing record 1's rows: record 1 not finished
+    data = (out / "routes.csv.gz").read_bytes()
+    (out / "routes.csv.gz").write_bytes(data[:-3])  # killed while writing record 1's rows: record 1 not finished
     w = RecordWriter(out / "records.csv", warn=lambda m: None)
     repair_side_tables(out, w, BASE_KEY, SideTables(out))
     assert w.finished == 1

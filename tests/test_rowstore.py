@@ -113,29 +113,54 @@ def test_batch_summary_reads_only_valid_rows(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ item 3: routes.csv / trace.csv
+# A new run writes routes.csv.gz / trace.csv.gz; a folder begun before that keeps its plain routes.csv /
+# trace.csv. Every side-table guarantee holds for both forms.
 
-def test_side_tables_disk_full_mid_block_is_cut_back(tmp_path, monkeypatch):
+FORMS = ("gz", "plain")
+
+
+def side_file(folder, name: str, form: str):
+    """The file SideTables writes in `folder` for `form` (a plain table: as in a folder begun before
+    compression, which already held the plain file)."""
+    if form == "plain":
+        path = folder / f"{name}.csv"
+        path.touch()
+        return path
+    return folder / f"{name}.csv.gz"
+
+
+def append_raw(path, data: bytes) -> None:
+    """Bytes appended to a table by hand, as one gzip member in a compressed table."""
+    with path.open("ab") as f:
+        f.write(rowstore.gzip_member(data) if path.name.endswith(".gz") else data)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_side_tables_disk_full_mid_block_is_cut_back(tmp_path, monkeypatch, form):
+    paths = {n: side_file(tmp_path, n, form) for n in ("routes", "trace")}
     side = SideTables(tmp_path)
     side.append({"dataset": "humaneval", "prompt_index": 0, "repeat": 0}, {"routes": routes(), "trace": trace()})
-    before = {n: (tmp_path / f"{n}.csv").read_bytes() for n in ("routes", "trace")}
+    before = {n: p.read_bytes() for n, p in paths.items()}
     full_disk_after(monkeypatch, 30)
     with pytest.raises(RowStoreError, match="routes rows of a record.*No space left"):
         side.append({"dataset": "humaneval", "prompt_index": 1, "repeat": 0}, {"routes": routes(), "trace": trace()})
     monkeypatch.undo()
-    assert (tmp_path / "routes.csv").read_bytes() == before["routes"]
-    assert (tmp_path / "trace.csv").read_bytes() == before["trace"]
+    assert paths["routes"].read_bytes() == before["routes"]
+    assert paths["trace"].read_bytes() == before["trace"]
     SideTables(tmp_path).append({"dataset": "humaneval", "prompt_index": 1, "repeat": 0},
                                 {"routes": routes(), "trace": trace()})
-    df = read_frame(tmp_path / "routes.csv", ROUTES)
+    df = read_frame(paths["routes"], ROUTES)
     assert df.groupby("prompt_index").size().tolist() == [6, 6]
     assert len(df.columns) == 7
 
 
-def test_torn_side_row_is_set_aside_and_not_glued(tmp_path, capsys):
+@pytest.mark.parametrize("form", FORMS)
+def test_torn_side_row_is_set_aside_and_not_glued(tmp_path, capsys, form):
     key = {"dataset": "humaneval", "prompt_index": 0, "repeat": 0}
+    path = side_file(tmp_path, "routes", form)
     SideTables(tmp_path).append(key, {"routes": routes()})
-    path = tmp_path / "routes.csv"
-    path.write_bytes(path.read_bytes()[:-9])  # a crash mid-row: 7 columns become fewer, no line end
+    # a crash mid-row: 7 columns become fewer, no line end (compressed: the last member loses its trailer)
+    path.write_bytes(path.read_bytes()[:-(9 if form == "plain" else 3)])
     SideTables(tmp_path).append({**key, "prompt_index": 1}, {"routes": routes(1)})
     assert "torn last line" in capsys.readouterr().err
     table = read_table(path, ROUTES)
@@ -143,21 +168,23 @@ def test_torn_side_row_is_set_aside_and_not_glued(tmp_path, capsys):
     assert len(pd.read_csv(tmp_path / "routes.rejected.csv")) == 1
 
 
-def test_measured_again_keeps_the_last_block(tmp_path):
+@pytest.mark.parametrize("form", FORMS)
+def test_measured_again_keeps_the_last_block(tmp_path, form):
     key = {"dataset": "humaneval", "prompt_index": 0, "repeat": 0}
+    path = side_file(tmp_path, "routes", form)
     side = SideTables(tmp_path)
     side.append(key, {"routes": routes(3)[:2]})  # a block cut short: its record never finished
     side.append({**key, "prompt_index": 1}, {"routes": routes(2)})
     side.append(key, {"routes": routes(3)})  # the record measured again
-    df = read_frame(tmp_path / "routes.csv", ROUTES)
+    df = read_frame(path, ROUTES)
     assert df.groupby("prompt_index").size().to_dict() == {0: 6, 1: 4}
 
 
-def test_trace_rows_are_numbers_and_the_older_header_reads(tmp_path, capsys):
-    path = tmp_path / "trace.csv"
+@pytest.mark.parametrize("form", FORMS)
+def test_trace_rows_are_numbers_and_the_older_header_reads(tmp_path, capsys, form):
+    path = side_file(tmp_path, "trace", form)
     SideTables(tmp_path).append({"dataset": "gsm8k", "prompt_index": 0, "repeat": 0}, {"trace": trace()})
-    with path.open("a") as f:
-        f.write("gsm8k,0,0,1,copy,soon,later,1,3,4096,cold_start,0.0\n")
+    append_raw(path, b"gsm8k,0,0,1,copy,soon,later,1,3,4096,cold_start,0.0\n")
     df = read_frame(path, TRACE)
     assert len(df) == 2 and df.start_ms.dtype.kind == "f"
     assert "start_ms='soon' is not a number" in capsys.readouterr().err
@@ -170,11 +197,11 @@ def test_trace_rows_are_numbers_and_the_older_header_reads(tmp_path, capsys):
         RowStore(old, TRACE)  # but a run never appends rows of another layout to it
 
 
-def test_non_utf8_line_is_rejected_not_fatal(tmp_path, capsys):
-    path = tmp_path / "routes.csv"
+@pytest.mark.parametrize("form", FORMS)
+def test_non_utf8_line_is_rejected_not_fatal(tmp_path, capsys, form):
+    path = side_file(tmp_path, "routes", form)
     SideTables(tmp_path).append({"dataset": "gsm8k", "prompt_index": 0, "repeat": 0}, {"routes": routes(1)})
-    with path.open("ab") as f:
-        f.write(b"gsm8k,0,0,\xff\xfe,1,2,3\n")
+    append_raw(path, b"gsm8k,0,0,\xff\xfe,1,2,3\n")
     assert len(read_frame(path, ROUTES)) == 2
     assert "not UTF-8" in capsys.readouterr().err
 

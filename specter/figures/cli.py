@@ -10,10 +10,10 @@ it holds any result CSV; else results/quick/ (QUICK=1 reproduce runs); else resu
 Outputs (missing inputs are skipped with a printed note, never drawn as placeholders):
   fig07_k_sweep                  TPOT and acceptance vs K per model, chosen K marked   (k_sweep.csv)
   table_k_used                   the K each speculative run used beside its tier's sweep (records.csv)
-  fig09_planner_timeline         planner timeline of one window, Figs. 8/9 style       (trace.csv)
+  fig09_planner_timeline         planner timeline of one window, Figs. 8/9 style       (trace.csv.gz)
   fig10_draft_kernel_latency     draft-kernel latency per backend                       (draft_kernel.csv)
   fig11_draft_kernel_speedup     speedup of each backend over the unfused loop          (draft_kernel.csv)
-  fig13_routing                  per-window working sets and routing distances          (routes.csv)
+  fig13_routing                  per-window working sets and routing distances          (routes.csv.gz)
   fig14_tpot                     TPOT: models x tiers x datasets (+AVG) x methods       (records.csv)
   fig14_tpot_<hardware>          the same for methods run on other hardware (on a CPU: the engines
                                  that place their own weights, beside target_only; one hardware each)

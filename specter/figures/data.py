@@ -12,12 +12,14 @@ A *result set* is a folder searched recursively. Inside it:
   k_sweep.csv          one row per K (+ k_profile.json: the chosen K)
   draft_kernel*.csv    draft-kernel benchmark (scripts/bench_draft_kernel.py)
   verify_schedule.csv  expert-wise vs token-wise verification (scripts/bench_verify.py)
-  routes.csv           dataset,prompt_index,repeat,window,layer,expert,count
+  routes.csv.gz        dataset,prompt_index,repeat,window,layer,expert,count (or plain routes.csv)
   batch.csv            method,model,memory,batch_size,dataset,tpot_median_ms,tpot_p90_ms,
                        throughput_tok_s,distinct_experts_per_layer,h2d_bytes_per_token,acceptance
-  trace.csv            window,event,layer,expert,start_ms,end_ms,bytes,phase
+  trace.csv.gz         window,event,layer,expert,start_ms,end_ms,bytes,phase (or plain trace.csv)
   load_ratio.csv       model,memory,method,load_ratio,tpot_ms,effective_load_ratio,... (experiment=load_ratio_sweep)
 
+The per-window side tables (routes, trace) are written gzip-compressed; either form is read, and
+a folder holding both counts once (the form specter.harness.artifacts.side_path names).
 records.csv, batch.csv, routes.csv and trace.csv are read through the harness's validated row
 reader (specter/harness/rowstore.py), the same one the summaries use: a torn, non-UTF-8 or
 non-numeric row is left out with a note naming its file and line, never read as data. Of routes
@@ -44,7 +46,8 @@ from specter.figures.common import REAL_OF_TINY
 from specter.figures.labels import method_settings, record_source, variant_labels  # noqa: F401 (re-exported)
 
 INPUT_NAMES = ("records.csv", "k_sweep.csv", "draft_kernel*.csv", "verify_schedule.csv", "routes.csv",
-               "batch.csv", "trace.csv", "load_ratio.csv")
+               "routes.csv.gz", "batch.csv", "trace.csv", "trace.csv.gz", "load_ratio.csv")
+SIDE_NAMES = ("routes.csv", "trace.csv")  # also read as <name>.gz
 # Folders directly under results/ that hold other result sets (or no results at all).
 SET_ASIDE = ("reference", "paper", "logs", "multirun", "quick")
 
@@ -276,12 +279,21 @@ class ResultSet:
     # ------------------------------------------------------------ other inputs
 
     def csvs(self, pattern: str) -> list[tuple[Path, pd.DataFrame]]:
+        """Every readable CSV matching `pattern`; a side table (routes.csv, trace.csv) in either form,
+        one per folder."""
         out = []
-        for path in self.files(pattern):
+        for path in (self._side_files(pattern) if pattern in SIDE_NAMES else self.files(pattern)):
             df = read_validated(path)
             if df is not None and not df.empty:
                 out.append((path, df))
         return out
+
+    def _side_files(self, name: str) -> list[Path]:
+        """One file per folder of side table `name`: `<name>.gz` where it is found, else plain `<name>`
+        (the writer's choice, specter.harness.artifacts.side_path, when both exist)."""
+        found = self.files(name, f"{name}.gz")
+        gz = {p.parent for p in found if p.name.endswith(".gz")}
+        return sorted(p for p in found if p.name.endswith(".gz") or p.parent not in gz)
 
     def run_info(self, folder: Path) -> dict[str, Any]:
         """model / memory / method / hardware of a run folder, from its config.yaml."""
@@ -315,11 +327,10 @@ def finite_rows(path: Path, df: pd.DataFrame) -> pd.DataFrame:
 
 
 def drifted_mask(records: pd.DataFrame) -> pd.Series:
-    """Records flagged for a drifted link: their effective load ratio was off the configured one by more
-    than hardware.load_ratio_tolerance (records.csv `load_ratio_off` = 1); their TPOT measured another link."""
-    if "load_ratio_off" not in records.columns:
-        return pd.Series(False, index=records.index)
-    return pd.to_numeric(records["load_ratio_off"], errors="coerce").fillna(0) > 0
+    """Records flagged for a drifted link (records.csv `load_ratio_off` = 1): specter.harness.paired.flagged_mask."""
+    from specter.harness.paired import flagged_mask
+
+    return flagged_mask(records)
 
 
 def drifted_note(count: int) -> str:
@@ -344,7 +355,7 @@ def read_validated(path: Path) -> pd.DataFrame | None:
     the finished records of their folder); any other CSV is read as it is."""
     path = Path(path)
     note = lambda msg: print(f"note: {msg}")  # noqa: E731
-    schema = _schemas().get(path.name)
+    schema = _schemas().get(path.name.removesuffix(".gz"))
     if schema is None:
         try:
             return pd.read_csv(path)

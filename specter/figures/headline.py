@@ -1,16 +1,20 @@
 """Headline table: Specter's TPOT speedup over every other method, per model and memory tier.
 
-speedup = TPOT(method) / TPOT(specter) (> 1: Specter is faster), paired: one ratio per record both
-measured (same dataset, prompt and repeat; in a cell run, seconds apart), and the table gives the
-median of those ratios with its percentile-bootstrap 95 % CI (specter.harness.paired, seeded).
-`ci_straddles_1` marks a cell whose interval holds 1: there the records do not say which is faster.
+speedup = TPOT(method) / TPOT(specter) (> 1: Specter is faster), paired by prompt: each method's
+TPOT on a prompt is the median over its timing repeats (the repeats decode the same tokens, so
+they are one sample), one ratio per prompt both measured (same dataset and prompt), and the table
+gives the median of those ratios with its percentile-bootstrap 95 % CI over prompts
+(specter.harness.paired.paired_by_prompt, seeded; the same code as the CLI comparison table).
+`prompts` is the bootstrap's unit, `records` the records behind it, `flagged` the records of the
+two methods left out for a drifted link. `ci_straddles_1` marks a cell whose interval holds 1:
+there the prompts do not say which is faster.
 Beside it, the paper's statistics on mean TPOT:
   speedup_avg   on the AVG column of Fig. 14 (mean over datasets)
   mean_speedup  mean over datasets of the per-dataset speedups
   max_speedup   the largest per-dataset speedup
 Only methods measured on the same hardware as Specter are compared (an engine run on the bare
 CPU is not set against Specter on the emulated link; it has its own figure, fig14_tpot_cpu).
-Records flagged for a drifted link are left out (counted in the notes). A lossy method (token match
+Records flagged for a drifted link are left out of every column (counted per cell and in the notes). A lossy method (token match
 with target_only below 1: specter.figures.lossy) is marked `lossy` with its `token_match`.
 Rows with model = ALL summarise each method over every (model, tier): the mean of the paired
 speedups, of speedup_avg, and the max of max_speedup (the paper's "average 1.50×, up to 1.88×" over
@@ -25,11 +29,11 @@ from specter.figures.common import Output, Skip, order_methods
 from specter.figures.data import ResultSet, drifted_note
 from specter.figures.lossy import is_lossy, token_match
 from specter.figures.tpot_grid import CI_SEED, tpot_table
-from specter.harness.paired import paired_ratio, straddles_one
+from specter.harness.paired import flagged_mask, paired_by_prompt
 
 NAME = "table_headline_speedup"
-TITLE = "Headline: Specter's TPOT speedup over each method (median of paired per-record ratios, 95 % CI; > 1 = Specter faster)"
-PAIR = ["dataset", "prompt_index", "repeat"]
+TITLE = ("Headline: Specter's TPOT speedup over each method (median of per-prompt paired ratios, 95 % CI over "
+         "prompts; > 1 = Specter faster)")
 REFERENCE = "specter"
 
 
@@ -66,36 +70,35 @@ def speedup_table(tpot: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFram
 
 
 def paired_table(records: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
-    """Per (model, memory, hardware, method): the median paired ratio TPOT(method) / TPOT(reference) over
-    the records both measured, its 95 % CI and whether that CI holds 1."""
+    """Per (model, memory, hardware, method): the median per-prompt paired ratio TPOT(method) / TPOT(reference),
+    its 95 % CI over prompts, whether that CI holds 1, and the prompts, records and flagged records behind it
+    (specter.harness.paired.paired_by_prompt; flagged records in `records` are left out there and counted)."""
     rows = []
     if "hardware" not in records.columns:
         records = records.assign(hardware="unknown")
     records = records.assign(hardware=records["hardware"].fillna("unknown").astype(str))
     for (model, memory, hardware), g in records.groupby(["model", "memory", "hardware"], sort=False):
-        ref = g[g["variant"] == reference].groupby(PAIR)["tpot_ms"].median()
-        if ref.empty:
+        if not (g["variant"] == reference).any():
             continue
         for method in order_methods(g["variant"]):
             if method == reference:
                 continue
-            other = g[g["variant"] == method].groupby(PAIR)["tpot_ms"].median()
-            both = pd.concat([other.rename("other"), ref.rename("ref")], axis=1, join="inner").dropna()
-            both = both[(both["other"] > 0) & (both["ref"] > 0)]
-            if both.empty:
+            r = paired_by_prompt(g, "variant", method, reference, seed=CI_SEED)
+            if r is None:
                 continue
-            r = paired_ratio(both["other"].tolist(), both["ref"].tolist(), seed=CI_SEED)
             rows.append({"model": model, "memory": memory, "hardware": hardware, "method": method,
-                         "speedup": r.median, "ci_low": r.low, "ci_high": r.high, "pairs": r.n,
-                         "ci_straddles_1": straddles_one(r.low, r.high)})
+                         "speedup": r.median, "ci_low": r.low, "ci_high": r.high, "prompts": r.prompts,
+                         "records": r.records, "flagged": r.flagged, "ci_straddles_1": r.straddles_1})
     return pd.DataFrame(rows)
 
 
 def headline_table(records: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
-    """The paired speedups beside the paper's mean-TPOT statistics, lossy methods marked, ALL rows last."""
+    """The paired speedups beside the paper's mean-TPOT statistics, lossy methods marked, ALL rows last.
+    Flagged records (load_ratio_off) are left out of every column and counted per cell in `flagged`."""
     paired = paired_table(records, reference)
     if paired.empty:
         return paired
+    records = records[~flagged_mask(records)]
     means = speedup_table(tpot_table(records), reference)
     keys = ["model", "memory", "hardware", "method"]
     if not means.empty:
@@ -107,7 +110,8 @@ def headline_table(records: pd.DataFrame, reference: str = REFERENCE) -> pd.Data
     summary = []
     for method, g in paired.groupby("method", sort=False):
         summary.append({"model": "ALL", "memory": "ALL", "hardware": ",".join(sorted(set(g["hardware"]))),
-                        "method": method, "speedup": g["speedup"].mean(), "pairs": int(g["pairs"].sum()),
+                        "method": method, "speedup": g["speedup"].mean(), "prompts": int(g["prompts"].sum()),
+                        "records": int(g["records"].sum()), "flagged": int(g["flagged"].sum()),
                         "speedup_avg": g["speedup_avg"].mean() if "speedup_avg" in g else None,
                         "max_speedup": g["max_speedup"].max() if "max_speedup" in g else None,
                         "token_match": g["token_match"].mean(), "lossy": bool(g["lossy"].any())})
@@ -115,7 +119,7 @@ def headline_table(records: pd.DataFrame, reference: str = REFERENCE) -> pd.Data
     if not lossless.empty:
         summary.append({"model": "ALL", "memory": "ALL", "hardware": ",".join(sorted(set(lossless["hardware"]))),
                         "method": "ALL lossless", "speedup": lossless["speedup"].mean(),
-                        "pairs": int(lossless["pairs"].sum()), "lossy": False})
+                        "prompts": int(lossless["prompts"].sum()), "lossy": False})
     return pd.concat([paired, pd.DataFrame(summary)], ignore_index=True)
 
 
@@ -126,11 +130,11 @@ def straddling(table: pd.DataFrame) -> list[str]:
 
 
 def build(results: ResultSet, out: Output) -> None:
-    records = results.records("main")
+    records = results.records("main", drifted=True)  # flagged records: left out by paired_by_prompt, counted per cell
     if records.empty:
         raise Skip("no records.csv")
     records = records.dropna(subset=["tpot_ms"])
-    if REFERENCE not in set(records["variant"]):
+    if REFERENCE not in set(records.loc[~flagged_mask(records), "variant"]):
         raise Skip(f"no '{REFERENCE}' records (method=specter with one configuration) to compare against")
     table = headline_table(records)
     if table.empty:
@@ -138,8 +142,10 @@ def build(results: ResultSet, out: Output) -> None:
     holds = straddling(table)
     lossy = sorted(set(table.loc[table["lossy"].astype(bool) & (table["model"] != "ALL"), "method"]))
     out.table(table, NAME, TITLE, notes=[
-        "speedup: median of the paired per-record ratios TPOT(method)/TPOT(specter) over `pairs` records "
-        "(same dataset, prompt, repeat); ci_low/ci_high: its percentile-bootstrap 95 % CI (2,000 resamples, seed 0). "
+        "speedup: median over `prompts` prompts (same dataset and prompt) of the paired ratio TPOT(method)/TPOT(specter), "
+        "each method's TPOT on a prompt being the median over its timing repeats (`records` records in all; repeats "
+        "decode the same tokens, so the prompt is the unit); ci_low/ci_high: its percentile-bootstrap 95 % CI over "
+        "prompts (2,000 resamples, seed 0). `flagged`: records of the two methods left out for a drifted link. "
         + (f"The CI straddles 1 (no sure winner) for: {', '.join(holds)}. " if holds else
            "No cell's CI straddles 1. ")
         + "speedup_avg / mean_speedup / max_speedup: the paper's ratios of mean TPOTs (AVG over datasets, mean and "

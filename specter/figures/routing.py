@@ -1,7 +1,7 @@
 """Fig. 13: routing diversity per dataset — per-window expert working sets and pairwise distances.
 
-Input: `routes.csv` in run folders, columns dataset, prompt_index, repeat, window, layer, expert,
-count (tokens of that window routed to that expert in that layer). Per model one run configuration
+Input: `routes.csv.gz` (or a plain `routes.csv`) in run folders, columns dataset, prompt_index,
+repeat, window, layer, expert, count (tokens of that window routed to that expert in that layer). Per model one run configuration
 is used: method specter if present (else the first method by name), high memory if present.
 
 Left   distinct experts per layer per window: for every (record, window) the mean over layers of
@@ -119,7 +119,7 @@ def distances(routes: pd.DataFrame) -> pd.DataFrame:
 def build(results: ResultSet, out: Output) -> None:
     routes = load_routes(results)
     if routes.empty:
-        raise Skip("no routes.csv (dataset,prompt_index,repeat,window,layer,expert,count) in any run folder")
+        raise Skip("no routes.csv or routes.csv.gz (dataset,prompt_index,repeat,window,layer,expert,count) in any run folder")
     ws = working_sets(routes)
     summary = ws.groupby(["model", "dataset"]).agg(
         windows=("distinct_experts", "size"), mean=("distinct_experts", "mean"),

@@ -1,7 +1,7 @@
 """Figs. 8/9 style: the planner's timeline of one speculative window (draft, H2D copies, verification).
 
-Input: `trace.csv` in run folders, one row per event: window, event, layer, expert, start_ms,
-end_ms, bytes, phase. Events: draft (or draft_step), boundary, copy, compute, wait (verification
+Input: `trace.csv.gz` (or a plain `trace.csv`) in run folders, one row per event: window, event,
+layer, expert, start_ms, end_ms, bytes, phase. Events: draft (or draft_step), boundary, copy, compute, wait (verification
 waiting for a copy); moe/verify spans are containers and not drawn. A copy's phase, when it is a
 label (cold_start, overlap, cleanup, ...), colours it; otherwise (empty: the engine's own traces) copies are
 split into "while drafting" (started before the window's last draft step ended) and "during
@@ -104,7 +104,7 @@ def representative(stats: pd.DataFrame) -> str:
 def build(results: ResultSet, out: Output) -> None:
     traces = load_traces(results)
     if not traces:
-        raise Skip("no trace.csv (window,event,layer,expert,start_ms,end_ms,bytes,phase) in any run folder")
+        raise Skip("no trace.csv or trace.csv.gz (window,event,layer,expert,start_ms,end_ms,bytes,phase) in any run folder")
     rows, shown = [], []
     for info, df in traces:
         stats = window_stats(df)

@@ -1,4 +1,9 @@
-"""Per-record side tables of a run folder (routes.csv, trace.csv), one block of rows per record.
+"""Per-record side tables of a run folder (routes.csv.gz, trace.csv.gz), one block of rows per record.
+
+They are the bulky per-window logs, so they are written gzip-compressed (`<name>.csv.gz`, one gzip
+member per record's block: specter/harness/rowstore.py); a folder begun before that keeps appending
+to its plain `<name>.csv`. `side_path` says which file a folder's table is, for writers and readers
+alike; every reader takes both forms.
 
 Each row is prefixed with the record's key (dataset, prompt_index, repeat). Both tables go through
 the validated row store (specter/harness/rowstore.py): a record's rows are appended as one
@@ -34,6 +39,22 @@ TRACE = Schema(
 SIDE_TABLES: dict[str, Schema] = {"routes": ROUTES, "trace": TRACE}
 
 
+def side_paths(folder: Path, name: str) -> tuple[Path, Path]:
+    """The two forms of a side table in `folder`: (`<name>.csv.gz`, `<name>.csv`)."""
+    return Path(folder) / f"{name}.csv.gz", Path(folder) / f"{name}.csv"
+
+
+def side_path(folder: Path, name: str) -> Path:
+    """The file of side table `name` in `folder`: `<name>.csv.gz` if it exists, else a plain `<name>.csv`
+    that exists (a folder begun before compression), else `<name>.csv.gz` (a new table)."""
+    gz, plain = side_paths(folder, name)
+    return plain if plain.exists() and not gz.exists() else gz
+
+
+def side_exists(folder: Path, name: str) -> bool:
+    return any(p.exists() for p in side_paths(folder, name))
+
+
 class SideTables:
     """The side tables of one run folder, each opened (and validated) on its first use."""
 
@@ -45,7 +66,7 @@ class SideTables:
         if name not in SIDE_TABLES:
             raise KeyError(f"unknown side table {name!r}; known: {sorted(SIDE_TABLES)}")
         if name not in self._stores:
-            self._stores[name] = RowStore(self.out / f"{name}.csv", SIDE_TABLES[name])
+            self._stores[name] = RowStore(side_path(self.out, name), SIDE_TABLES[name])
         return self._stores[name]
 
     def append(self, key: dict[str, Any], artifacts: dict[str, list[dict[str, Any]]]) -> None:

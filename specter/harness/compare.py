@@ -14,7 +14,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specter.harness.config import ConfigError
-from specter.harness.paired import paired_ratio
+from specter.harness.paired import paired_by_prompt
 from specter.harness.records import read_records
 from specter.paths import safe_name, write_table
 
@@ -40,13 +40,14 @@ def method_config(cfg: DictConfig, method: str) -> DictConfig:
 
 
 def comparison_table(records: pd.DataFrame, reference: str = "target_only", baseline: str = "offload_ar") -> pd.DataFrame:
-    """One row per method: TPOT, speedup over `baseline` (ratio of median TPOTs, and the median of per-pair
-    ratios over the prompts and repeats both ran, with a bootstrap CI), acceptance, I/O against the oracle, the
-    routing regime (cache hit rate, window working set over independent routing), token equality."""
+    """One row per method: TPOT, speedup over `baseline` (ratio of median TPOTs, and the paired speedup at the
+    prompt level: each prompt's median TPOT over its repeats, the median of the per-prompt ratios over the prompts
+    both ran, its bootstrap CI over prompts and whether that CI holds 1; records flagged for a drifted link are
+    left out of it and counted in `load_ratio_off`), acceptance, I/O against the oracle, the routing regime (cache
+    hit rate, window working set over independent routing), token equality."""
     rows = []
     ref = records[records.method == reference].set_index(_PAIR_KEY).output_digest
     base_tpot = records[records.method == baseline].tpot_ms.median() if (records.method == baseline).any() else None
-    base_pairs = records[records.method == baseline].groupby(_PAIR_KEY).tpot_ms.median()
     for method, df in records.groupby("method", sort=False):
         digests = df.set_index(_PAIR_KEY).output_digest
         common = digests.index.intersection(ref.index)
@@ -57,7 +58,7 @@ def comparison_table(records: pd.DataFrame, reference: str = "target_only", base
         rows.append({
             "method": method, "records": len(df), "tpot_ms": tpot,
             f"speedup_vs_{baseline}": base_tpot / tpot if base_tpot and tpot else None,
-            **_paired_columns(base_pairs, df),
+            **_paired_columns(records, baseline, method),
             "acceptance_alpha": df.acceptance_alpha.mean() if df.acceptance_alpha.notna().any() else None,
             "tokens_per_iteration": df.mean_accepted_len.mean() if df.mean_accepted_len.notna().any() else None,
             "h2d_mb_per_token": h2d / df.new_tokens.sum() / 1e6 if h2d is not None else None,
@@ -71,19 +72,19 @@ def comparison_table(records: pd.DataFrame, reference: str = "target_only", base
     return pd.DataFrame(rows)
 
 
-_PAIR_KEY = ["dataset", "prompt_index", "repeat"]  # a pair: the same prompt and repeat run by two methods
+_PAIR_KEY = ["dataset", "prompt_index", "repeat"]  # one record: the same prompt and repeat (token equality)
 
 
-def _paired_columns(base_pairs: pd.Series, df: pd.DataFrame) -> dict:
-    """Median and 95% bootstrap CI of the per-pair TPOT ratios baseline / method, over the pairs both measured
-    with a positive TPOT; None (and 0 pairs) where there are none."""
-    mine = df.groupby(_PAIR_KEY).tpot_ms.median()
-    both = pd.concat([base_pairs.rename("base"), mine.rename("other")], axis=1, join="inner").dropna()
-    both = both[(both.base > 0) & (both.other > 0)]
-    if both.empty:
-        return {"speedup_paired_median": None, "speedup_ci_low": None, "speedup_ci_high": None, "pairs": 0}
-    r = paired_ratio(both.base.tolist(), both.other.tolist())
-    return {"speedup_paired_median": r.median, "speedup_ci_low": r.low, "speedup_ci_high": r.high, "pairs": r.n}
+def _paired_columns(records: pd.DataFrame, baseline: str, method: str) -> dict:
+    """TPOT(baseline) / TPOT(method) paired by prompt (specter.harness.paired.paired_by_prompt): the median of the
+    per-prompt ratios, its 95% bootstrap CI over prompts, whether it holds 1, and the prompts paired; None (and
+    0 prompts) where the two share none."""
+    r = paired_by_prompt(records, "method", baseline, method) if (records.method == baseline).any() else None
+    if r is None:
+        return {"speedup_paired_median": None, "speedup_ci_low": None, "speedup_ci_high": None,
+                "ci_straddles_1": None, "prompts": 0}
+    return {"speedup_paired_median": r.median, "speedup_ci_low": r.low, "speedup_ci_high": r.high,
+            "ci_straddles_1": r.straddles_1, "prompts": r.prompts}
 
 
 def _mean(df: pd.DataFrame, column: str) -> float | None:
@@ -124,10 +125,17 @@ def print_comparison(table: pd.DataFrame, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=title, header_style="bold")
-    cols = [c for c in table.columns if c not in ("speedup_ci_low", "speedup_ci_high")]  # shown with the median
+    holds = "ci_straddles_1" in table and bool((table["ci_straddles_1"] == True).any())  # noqa: E712 - None rows
+    base = next((c.removeprefix("speedup_vs_") for c in table.columns if c.startswith("speedup_vs_")), "baseline")
+    t = Table(title=title, header_style="bold", caption=f"paired ×: median over prompts of TPOT({base})/TPOT(method), "
+              "each prompt's TPOT the median over its repeats, [95% bootstrap CI over prompts]"
+              + ("; ∋1: the CI straddles 1 (no sure winner)" if holds else "")
+              + "; r off: records flagged for a drifted link, left out of paired ×")
+    # the CI and whether it holds 1 are shown with the median
+    cols = [c for c in table.columns if c not in ("speedup_ci_low", "speedup_ci_high", "ci_straddles_1")]
     for col in cols:
-        t.add_column(_HEADERS.get(col, col.replace("_", " ")), justify="left" if col == "method" else "right")
+        t.add_column(_HEADERS.get(col, col.replace("_", " ")), justify="left" if col == "method" else "right",
+                     no_wrap=col in ("method", "speedup_paired_median"))
     for _, row in table.iterrows():
         t.add_row(*[_fmt_paired(row) if c == "speedup_paired_median" else _fmt(row[c]) for c in cols])
     Console(width=160).print(t)
@@ -142,11 +150,12 @@ _HEADERS = {"tpot_ms": "TPOT ms", "speedup_vs_offload_ar": "× vs offload_ar",
 
 
 def _fmt_paired(row) -> str:
-    """The paired speedup median with its CI, e.g. `2.15 [1.92–2.41]`."""
+    """The paired speedup median with its CI, e.g. `2.15 [1.92–2.41]`, and `∋1` where the CI holds 1."""
     median, low, high = (row.get(c) for c in ("speedup_paired_median", "speedup_ci_low", "speedup_ci_high"))
     if _fmt(median) == "—":
         return "—"
-    return f"{median:.3g} [{low:.3g}–{high:.3g}]"
+    holds = row.get("ci_straddles_1")
+    return f"{median:.3g} [{low:.3g}–{high:.3g}]" + (" ∋1" if holds is True or holds == 1.0 else "")
 
 
 def _fmt(v) -> str:

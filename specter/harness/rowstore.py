@@ -18,6 +18,12 @@ so they share one set of guarantees:
   table) and validates the columns it has: structure and numbers always, a table's further
   rules (e.g. records' digests) only under this version's header.
 
+A table whose name ends in `.csv.gz` (the bulky per-window side tables, routes and trace) is the
+same text stored gzip-compressed: every append is one gzip member (a multi-member file is one valid
+gzip stream, so `pandas.read_csv` and `gzip.open` read it whole), a rewrite one member. A member torn
+by an interrupted write is read up to where it breaks, and its last line then counts as torn, as in
+a plain table. `load_bytes` gives either form's text.
+
 A *keyed* table (records, batch) allows one row per key; the first wins, later duplicates are
 rejected. A *block* table (routes, trace) holds many rows per record key, written as one block
 per record before the record itself; when a record is measured again, the reader keeps the last
@@ -28,10 +34,12 @@ from __future__ import annotations
 
 import bisect
 import csv
+import gzip
 import io
 import math
 import os
 import sys
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,8 +267,56 @@ def last_blocks(schema: Schema, rows: list[tuple[int, str, dict[str, str]]]) -> 
 
 
 def rejected_path(path: Path) -> Path:
-    """Where a table's rejected lines are set aside: records.csv -> records.rejected.csv."""
-    return path.with_name(f"{path.stem}.rejected.csv")
+    """Where a table's rejected lines are set aside: records.csv -> records.rejected.csv (and
+    routes.csv.gz -> routes.rejected.csv: the rejected lines are few, kept as plain text)."""
+    return path.with_name(f"{table_stem(path.name)}.rejected.csv")
+
+
+def table_stem(name: str) -> str:
+    """routes.csv.gz -> routes, records.csv -> records."""
+    for suffix in (".csv.gz", ".csv", ".gz"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return Path(name).stem
+
+
+def compressed(path: Path) -> bool:
+    return Path(path).name.endswith(".gz")
+
+
+def gunzip_members(data: bytes) -> tuple[bytes, bool]:
+    """The text of a multi-member gzip stream, and whether its last member is torn (cut short or
+    damaged: its text is kept up to where it breaks)."""
+    out: list[bytes] = []
+    while data.count(0) < len(data):  # stop at the end, or at the zero padding allowed after the last member
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            out.append(d.decompress(data))
+        except zlib.error:
+            return b"".join(out), True
+        if not d.eof:
+            out.append(d.flush())
+            return b"".join(out), True
+        data = d.unused_data
+    return b"".join(out), False
+
+
+def gzip_member(data: bytes) -> bytes:
+    """`data` as one gzip member (mtime 0: the same text always gives the same bytes)."""
+    return gzip.compress(data, compresslevel=6, mtime=0)
+
+
+def load_bytes(path: Path) -> bytes:
+    """A table's text as bytes: a `.gz` table decompressed; a torn last member's text ends in a torn
+    line (its line end dropped when the break fell just after one), so the parser rejects that line
+    and a block table marks its block as having lost a line."""
+    data = Path(path).read_bytes()
+    if not compressed(path):
+        return data
+    text, torn = gunzip_members(data)
+    if torn and text.endswith(b"\n"):
+        text = text[:-1]
+    return text
 
 
 def _warn_default(msg: str) -> None:
@@ -273,7 +329,7 @@ def read_table(path: Path, schema: Schema, warn: Callable[[str], None] | None = 
     path = Path(path)
     warn = warn or _warn_default
     try:
-        data = path.read_bytes()
+        data = load_bytes(path)
     except OSError as err:
         raise RowStoreError(f"cannot read {path} ({err.strerror or err})") from None
     try:
@@ -312,7 +368,7 @@ class RowStore:
         self.damaged: set[tuple[str, ...]] = set()  # block tables: keys whose block lost a line (rejected)
         warn = warn or _warn_default
         try:
-            data = self.path.read_bytes() if self.path.exists() else b""
+            data = load_bytes(self.path) if self.path.exists() else b""
         except OSError as err:
             raise RowStoreError(f"cannot read {self.path} ({err.strerror or err})") from None
         header_line = format_row(schema.columns).encode()
@@ -340,7 +396,7 @@ class RowStore:
         """Move every row of `keys` to `<name>.rejected.csv` with `reason`, and rewrite the table
         atomically without them: what they stood for is measured again (a block table's new block then
         never runs on from a stale one of the same key)."""
-        data = self.path.read_bytes()
+        data = load_bytes(self.path)
         table = parse(data, self.schema, exact=True)
         rows = table.every_row if self.schema.blocks else table.rows
         gone = [Rejected(i, reason, raw) for i, raw, v in rows if key_of(self.schema, v) in keys]
@@ -368,7 +424,7 @@ class RowStore:
 
     def _write_atomic(self, data: bytes) -> None:
         try:
-            atomic_write_bytes(self.path, data)
+            atomic_write_bytes(self.path, gzip_member(data) if compressed(self.path) else data)
         except OSError as err:
             raise RowStoreError(f"cannot write {self.path} ({err.strerror or err})") from None
 
@@ -402,8 +458,9 @@ class RowStore:
                 raise ValueError(f"{self.schema.noun} {key} already exists in {self.path}")
             keys.append(key)
             lines.append(line)
+        data = b"".join(lines)
         try:
-            _append_bytes(self.path, b"".join(lines))
+            _append_bytes(self.path, gzip_member(data) if compressed(self.path) else data)
         except OSError as err:
             raise RowStoreError(f"cannot append {what} to {self.path} ({err.strerror or err}); finished rows "
                                 "are kept, free space and rerun the same command to resume") from None

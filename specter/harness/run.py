@@ -243,11 +243,11 @@ def repair_side_tables(out: Path, writer: RecordWriter, base: dict, side: SideTa
     torn record is: its record and its block are set aside. Blocks of records that never finished
     (a run stopped between a block and its record) are set aside too, so the block a rerun appends
     never runs on from a stale one of the same key."""
-    from specter.harness.artifacts import SIDE_TABLES
+    from specter.harness.artifacts import SIDE_TABLES, side_exists
 
     record_key = lambda k: (*base.values(), *k)  # noqa: E731 - side key (dataset, prompt_index, repeat)
     for name in SIDE_TABLES:
-        if not (out / f"{name}.csv").exists():
+        if not side_exists(out, name):
             continue
         store = side.store(name)
         lost = {k for k in store.damaged if record_key(k) in writer.done}

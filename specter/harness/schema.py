@@ -107,7 +107,7 @@ class SpecterMethodConfig(OffloadMethodConfig):
     planner_state: str = "warm"  # warm | cold | carry
     residency: str = "window"  # expert cache residency: window (window-aware, specter.offload.policy) | lru
     planner: dict[str, float] = field(default_factory=dict)  # PlannerConfig overrides
-    trace_windows: bool = False  # write every window's pipeline events to trace.csv (host-timed links)
+    trace_windows: bool = False  # write every window's pipeline events to trace.csv.gz (host-timed links)
 
 
 @dataclass

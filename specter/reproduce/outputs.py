@@ -7,6 +7,7 @@ Run folders are read with the harness's validated record reader (torn or invalid
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from pathlib import Path
 
@@ -16,13 +17,14 @@ from specter.reproduce.plan import Check, Step
 
 
 def _csv_rows(path: Path) -> tuple[int, str | None]:
-    """Data rows of a CSV file, or a problem."""
+    """Data rows of a CSV file (plain, or gzip-compressed when its name ends in .gz), or a problem."""
     try:
-        with path.open(encoding="utf-8", newline="") as fh:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8", newline="") as fh:
             rows = list(csv.reader(fh))
     except FileNotFoundError:
         return 0, f"{path} is missing"
-    except (OSError, UnicodeDecodeError, csv.Error) as err:
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error) as err:
         return 0, f"{path} cannot be read ({err})"
     if not rows:
         return 0, f"{path} is empty"
@@ -117,7 +119,9 @@ def check_problem(check: Check) -> str | None:
     if check.kind == "run":
         return _run_problem(check.path, check.datasets)
     if check.kind == "trace":
-        return _run_problem(check.path, check.datasets) or _csv_problem(check.path / "trace.csv")
+        from specter.harness.artifacts import side_path
+
+        return _run_problem(check.path, check.datasets) or _csv_problem(side_path(check.path, "trace"))
     if check.kind == "k_sweep":
         return _k_sweep_problem(check.path)
     if check.kind == "batch":
