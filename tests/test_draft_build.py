@@ -45,12 +45,12 @@ def test_gptq_draft_is_cached_and_checksummed(tiny_checkpoint, specter_home):
 
 
 def test_k_sweep_picks_min_tpot_and_feeds_specter(tiny_checkpoint, tmp_path):
-    from specter.harness.config import effective_K
+    from specter.harness.config import effective_K, load_ratio_of
     from specter.harness.profile_k import profile_k
 
     tiny_checkpoint("tiny_qwen")
     out = tmp_path / "sweep"
-    cfg = compose(["experiment=k_sweep", "model=tiny_qwen", "dataset=humaneval", "num_prompts=1", "repeats=1",
+    cfg = compose(["experiment=k_sweep", "model=tiny_qwen", "hardware=emulated", "dataset=humaneval", "num_prompts=1", "repeats=1",
                    "max_new_tokens=8", "warmup_tokens=0", "progress=false", "k_sweep.values=[1,3]", "method.quant=rtn",
                    f"output_dir={out}"])
     profile_k(cfg)
@@ -66,6 +66,13 @@ def test_k_sweep_picks_min_tpot_and_feeds_specter(tiny_checkpoint, tmp_path):
 
     with pytest.raises(ConfigError, match="measured for"):
         effective_K(compose(["model=tiny_dsv2", f"k_profile={out / 'k_profile.json'}"]))
+    # the K holds at the link cost it was profiled at: another load ratio is refused, a close one accepted
+    at = f"k_profile={out / 'k_profile.json'}"
+    assert profile["load_ratio"] == pytest.approx(load_ratio_of(compose(["model=tiny_qwen", "hardware=emulated"]))[0])
+    assert effective_K(compose(["model=tiny_qwen", "hardware=emulated", at,
+                                f"model.load_ratio={profile['load_ratio'] * 1.02}"])) == profile["K"]
+    with pytest.raises(ConfigError, match="profiled at load ratio"):
+        effective_K(compose(["model=tiny_qwen", "hardware=emulated", at, "model.load_ratio=0.7"]))
 
 
 def test_choose_K_is_the_lowest_mean_tpot():

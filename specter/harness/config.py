@@ -326,7 +326,25 @@ def profiled_k_of(cfg: DictConfig) -> int:
     K = profile.get("K")
     if not isinstance(K, int) or isinstance(K, bool) or K < 1:
         raise ConfigError(f"k_profile={path} has no usable K (K={K!r}); run experiment=k_sweep again")
+    _require_same_link(cfg, path, profile)
     return K
+
+
+PROFILE_RATIO_TOLERANCE = 0.05  # a K chosen at another link cost is another machine's K
+
+
+def _require_same_link(cfg: DictConfig, path, profile: dict) -> None:
+    """A K profiled on the emulated link holds only at the load ratio it was measured at: the best window
+    length grows with the cost of a load. A profile that predates the recorded ratio is used as given."""
+    profiled = profile.get("load_ratio")
+    if cfg.hardware.get("link") != "emulated" or profiled is None:
+        return
+    ratio, source = load_ratio_of(cfg)
+    if not isinstance(profiled, (int, float)) or isinstance(profiled, bool) or profiled <= 0:
+        raise ConfigError(f"k_profile={path} records an unusable load_ratio={profiled!r}; run experiment=k_sweep again")
+    if abs(profiled / ratio - 1) > PROFILE_RATIO_TOLERANCE:
+        raise ConfigError(f"k_profile={path} was profiled at load ratio {profiled:.3g}, but this run emulates "
+                          f"{ratio:.3g} ({source}); profile K at this ratio (experiment=k_sweep) or give K=")
 
 
 def check_composed(cfg: DictConfig) -> None:

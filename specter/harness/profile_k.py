@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from specter.harness.config import ConfigError
+from specter.harness.config import ConfigError, load_ratio_of
 from specter.harness.records import read_records
 from specter.paths import atomic_write_text, write_table
 
@@ -88,6 +88,8 @@ def profile_k(cfg: DictConfig) -> Path:
         # the minimum at the smallest or largest K swept: the true optimum may lie outside the range
         "at_edge": int(best.K) in (int(table.K.min()), int(table.K.max())) and len(table) > 1,
     }
+    if cfg.hardware.get("link") == "emulated":  # the K holds at this link cost only (config.profiled_k_of checks)
+        profile["load_ratio"], profile["load_ratio_source"] = load_ratio_of(cfg)
     try:
         atomic_write_text(root / "k_profile.json", json.dumps(profile, indent=1))
     except OSError as err:
