@@ -26,6 +26,7 @@ from specter.harness.config import ConfigError
 
 REAL_MODELS = ("dsv2", "qwen15moe", "phi35moe")
 ROUTE_CHOICES = ("auto", "proxy", "independent")
+# residency: an engine row's expert-cache policy (window: Specter's; lru: the baselines', as their designs give them);
 # draft: the INT4 draft a speculative row ran; K and k_source: its draft length, "profiled" (on the modelled
 # device) or "paper" (the method's default: the paper's K, SpecMoEOff's artifact K = 3); the last four columns
 # are the engine's load-efficiency counters (empty for target_only): loads per window and tiny layer and retention hits
@@ -35,7 +36,7 @@ ROUTE_CHOICES = ("auto", "proxy", "independent")
 # the copy-bound regime TPOT is about loads/token x one expert's H2D, so no schedule at Specter's slots and windows
 # beats a rival whose measured loads/token are below it).
 CSV_FIELDS = ("model", "memory", "device", "proxy", "routes", "method", "source", "draft", "K", "k_source", "tokens",
-              "resident", "staging", "tpot_ms", "loads_per_token", "copy_busy", "acceptance", "paper_tpot_ms", "ratio",
+              "resident", "staging", "residency", "tpot_ms", "loads_per_token", "copy_busy", "acceptance", "paper_tpot_ms", "ratio",
               "loads_per_window_layer", "retention_hits", "loads_over_belady", "belady_loads_per_token",
               "specter_belady_loads_per_token", "note")
 
@@ -211,7 +212,7 @@ def engine_row(cfg: DictConfig, name: str, k_source: str, r, M, S, draft: str) -
     p = cfg.project
     return {"method": name, "source": "engine", "tokens": str(int(p.prompts) * int(p.new_tokens)),
             "resident": "" if M is None or name == "target_only" else str(M),
-            "staging": str(S) if name != "target_only" else "0", "draft": draft,
+            "staging": str(S) if name != "target_only" else "0", "residency": r.residency, "draft": draft,
             "K": "" if r.K is None else str(r.K), "k_source": k_source if r.K is not None else "",
             "tpot_ms": _fmt(r.tpot, 1e3), "loads_per_token": _fmt(r.loads_per_token),
             "copy_busy": _fmt(r.copy_busy), "acceptance": _fmt(r.acceptance),
@@ -344,13 +345,13 @@ def format_projection(rows: list[dict[str, str]], facts: dict) -> str:
              f"K: profiled on {facts['device']} or the paper's",
              f"  replay rows: offload_ar replayed over {facts['tokens']} tokens of {routes} (cross-check)"]
     extra = [k for k in EXTRA_STATS if any(r.get(k) for r in rows)]  # the engine's counters, once it reports them
-    head = ("method", "source", "draft", "K", "M+S", "TPOT ms", "paper ms", "ratio", "loads/token", "copy busy",
+    head = ("method", "source", "draft", "K", "M+S", "residency", "TPOT ms", "paper ms", "ratio", "loads/token", "copy busy",
             "accept", *extra, "note")
     body = [(r["method"], r["source"], r["draft"] or "-", f"{r['K']} {r['k_source']}" if r["K"] else "-",
-             f"{r['resident']}+{r['staging']}" if r["resident"] else "-", r["tpot_ms"] or "-", r["paper_tpot_ms"] or "-",
+             f"{r['resident']}+{r['staging']}" if r["resident"] else "-", r.get("residency") or "-", r["tpot_ms"] or "-", r["paper_tpot_ms"] or "-",
              r["ratio"] or "-", r["loads_per_token"] or "-", r["copy_busy"] or "-", r["acceptance"] or "-",
              *(r.get(k) or "-" for k in extra), r["note"]) for r in rows]
-    lines += text_table(head, body, left=(0, 1, 2, 3))
+    lines += text_table(head, body, left=(0, 1, 2, 3, 5))
     lines += copy_bound_lines(rows, facts["h2d_ms"])
     return "\n".join(lines) + "\n"
 

@@ -41,6 +41,7 @@ class Projected:
     machine: VirtualMachine | None = None
     K: int | None = None  # the draft length a speculative method ran
     extra: dict[str, float] = field(default_factory=dict)  # EXTRA_STATS the records carried
+    residency: str = ""  # the expert cache's residency policy (`specter.offload.policy`); empty for target_only
 
 
 def proxy_overrides(proxy: str, trained: bool, tier: str, method: str, slots: tuple[int | None, int],
@@ -231,7 +232,8 @@ def measure(session: Session, name: str, seed: int, prompts: list[torch.Tensor],
         resident=int(rt.resident) if rt is not None else None, staging=int(rt.cache.staging) if rt is not None else 0,
         tokens=tokens, timeline=timeline, route_windows=list(log.windows) if log is not None else [],
         decode_forwards=last_targets, machine=machine, K=getattr(method, "K", None),
-        extra={k: v for k, v in stats.items() if v is not None})
+        extra={k: v for k, v in stats.items() if v is not None},
+        residency=str(rt.cache.residency) if rt is not None else "")
 
 
 def run_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prompts: list[torch.Tensor], new_tokens: int,
