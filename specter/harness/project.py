@@ -281,7 +281,8 @@ def copy_bound_lines(rows: list[dict[str, str]], h2d_ms: float) -> list[str]:
     On the virtual clock every real load holds the copy stream one expert's H2D, and a decode's copies land between
     its first and last commit, so Specter's TPOT is at least its decode loads/token x H2D, and at least its bound x
     H2D (its floor): at its slots, its windows (K, acceptance) and the state its prefill left, no residency policy goes
-    below that. A rival whose TPOT is under Specter's lowest floor cannot be beaten at those slots and windows."""
+    below that. A rival whose TPOT is under Specter's lowest floor cannot be beaten at those slots and windows; one
+    whose measured loads/token are under Specter's bound can be beaten only by the time its copy stream sits idle."""
     spec = [r for r in rows if r["source"] == "engine" and r["method"] == "specter" and r.get("belady_loads_per_token")]
     rivals = [r for r in rows if r["source"] == "engine" and r["method"] != "specter" and r["loads_per_token"]]
     if not spec or not rivals:
@@ -298,8 +299,11 @@ def copy_bound_lines(rows: list[dict[str, str]], h2d_ms: float) -> list[str]:
         tpot = float(r["tpot_ms"])
         if float(best["tpot_ms"]) < tpot:
             verdict = "Specter faster"
-        elif floor < tpot:
+        elif floor < tpot and min(float(x["belady_loads_per_token"]) for x in spec) <= float(r["loads_per_token"]):
             verdict = "Specter slower; its bound leaves room to win"
+        elif floor < tpot:
+            verdict = ("Specter slower; its bound is above the rival's loads/token, so only the rival's "
+                       "time off the copy stream leaves room")
         else:
             verdict = "cannot be won at Specter's slots and windows: its floor >= the rival's TPOT"
         body.append((r["method"], f"{r['K']} {r['k_source']}" if r["K"] else "-", f"{r['resident']}+{r['staging']}",
