@@ -135,8 +135,12 @@ def _projection(folder: Path) -> None:
         for method, tpot in (("offload_ar", 44.8), ("mo_sm", 31.8), ("specter", 33.8)):
             row = dict.fromkeys(CSV_FIELDS, "")
             paper = "72.2" if (method, tier) == ("specter", "high") else ""
+            loads = tpot / 0.731  # copy-bound: TPOT = loads/token x one expert's H2D
             row.update(model="dsv2", memory=tier, device="a100_40gb_pcie4", method=method, source="engine",
-                       tpot_ms=str(tpot), paper_tpot_ms=paper, ratio=f"{tpot / 72.2:.4f}" if paper else "")
+                       tpot_ms=str(tpot), paper_tpot_ms=paper, ratio=f"{tpot / 72.2:.4f}" if paper else "",
+                       residency="window" if method == "specter" else "lru", loads_per_token=f"{loads:.4f}",
+                       loads_over_belady="1.2500", belady_loads_per_token=f"{loads / 1.25:.4f}",
+                       specter_belady_loads_per_token=f"{33.8 / 0.731 / 1.25:.4f}")
             rows.append(row)
     pd.DataFrame(rows, columns=list(CSV_FIELDS)).to_csv(folder / "projection.csv", index=False)
     ops = [("compute", "L1 draft experts", 0.0, 1.0), ("copy", "h2d L1 expert 3", 0.5, 1.2),

@@ -165,3 +165,44 @@ def test_two_runs_write_identical_csvs(tmp_path):
     for name in ("projection.csv", "timeline.csv"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
     assert (a / "projection.csv").read_text().count(",engine,") == 2
+
+
+OFFLOADING = ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "moe_spec", "specter")
+
+
+def test_rows_carry_loads_over_the_belady_bound_at_their_own_slots(dsv2_high):
+    """Every offloading row: its decode's real loads over the Belady bound at its own slots (>= 1: no policy beats
+    Belady), the bound in loads/token (<= the measured loads/token), and Specter's bound beside it."""
+    rows, facts = dsv2_high
+    engine = _engine(rows)
+    spec = float(engine["specter"]["belady_loads_per_token"])
+    for name in OFFLOADING:
+        r = engine[name]
+        loads, bound, ratio = (float(r[k]) for k in ("loads_per_token", "belady_loads_per_token", "loads_over_belady"))
+        assert 0 < bound <= loads + 1e-9 and ratio >= 1 - 1e-9, (name, loads, bound, ratio)
+        assert ratio == pytest.approx(loads / bound, rel=1e-3)
+        assert float(r["specter_belady_loads_per_token"]) == pytest.approx(spec, abs=1e-4)
+        assert float(r["loads_per_window_layer"]) > 0
+    # the measured run's own loads over its own bound (not the records' per-tiny-layer figures)
+    run = facts["runs"]["specter"]
+    assert run.extra["loads_over_belady"] == pytest.approx(run.loads_per_token / run.extra["belady_loads_per_token"])
+    for r in [engine["target_only"], *(r for r in rows if r["source"] == "replay")]:
+        assert not r["belady_loads_per_token"] and not r["specter_belady_loads_per_token"]
+
+
+def test_specter_keeps_window_residency_and_the_baselines_lru(dsv2_high):
+    engine = _engine(dsv2_high[0])
+    assert engine["specter"]["residency"] == "window"
+    for name in ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "moe_spec"):
+        assert engine[name]["residency"] == "lru", name
+    assert engine["target_only"]["residency"] == ""
+
+
+def test_copy_bound_check_prints_specters_floor_beside_each_rival(dsv2_high):
+    from specter.harness.project import format_projection
+
+    text = format_projection(*dsv2_high)
+    assert "copy-bound check" in text and "Specter floor ms" in text
+    for name in ("offload_ar", "mo_sm", "specmoeoff", "moe_spec"):
+        assert any(line.strip().startswith(name) and ("Specter" in line or "won" in line)
+                   for line in text.splitlines()), name

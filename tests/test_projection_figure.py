@@ -24,7 +24,9 @@ def _row(model, memory, method, tpot, paper="", source="engine", device="a100_40
     row = {k: "" for k in CSV_FIELDS}
     row.update(model=model, memory=memory, device=device, method=method, source=source, k_source=k_source, K=K,
                draft="GPTQ INT4 g128" if method == "specter" else "",
-               tpot_ms=str(tpot), paper_tpot_ms=paper, ratio=f"{tpot / float(paper):.4f}" if paper else "")
+               tpot_ms=str(tpot), paper_tpot_ms=paper, ratio=f"{tpot / float(paper):.4f}" if paper else "",
+               loads_per_token=f"{tpot / 0.731:.4f}", loads_over_belady="1.2000",
+               belady_loads_per_token=f"{tpot / 0.731 / 1.2:.4f}", specter_belady_loads_per_token="20.0000")
     return row
 
 
@@ -74,6 +76,7 @@ def test_projected_fig14_and_window_are_drawn_per_device(tmp_path, titles):
     assert {"fig14_projected_tpot.png", "fig_projected_window.png", "table_projected_vs_paper.csv",
             "fig14_projected_tpot_h200_pcie5.png", "table_projected_vs_paper_h200_pcie5.csv"} <= names
     table = list(csv.DictReader((out.folder / "table_projected_vs_paper.csv").open()))
+    assert "specter_belady_loads_per_token" in table[0] and "loads_over_belady" in table[0]
     ratios = [(r["k_source"], float(r["ratio"])) for r in table if r["method"] == "specter" and r["memory"] == "high"]
     assert len(table) == 5 and sorted(ratios) == [("paper", pytest.approx(20 / 72.2, abs=1e-4)),
                                                   ("profiled", pytest.approx(18 / 72.2, abs=1e-4))]

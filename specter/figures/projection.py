@@ -39,7 +39,9 @@ KIND_LABELS = ("draft steps (INT4 experts + FP16 rest)", "target experts (verifi
 
 DEFAULT_DEVICE = "a100_40gb_pcie4"  # the paper's machine: its figures carry no suffix
 DEVICE_LABELS = {"a100_40gb_pcie4": "A100 40 GB, PCIe 4.0 x16", "h200_pcie5": "H200, PCIe 5.0 x16"}
-LOAD_COLUMNS = ("loads_per_window_layer", "retention_hits", "loads_over_belady", "belady_loads_per_token")
+# the engine rows' load efficiency; specter_belady_loads_per_token: Specter's Belady bound beside each row's loads/token
+LOAD_COLUMNS = ("loads_per_window_layer", "retention_hits", "loads_over_belady", "belady_loads_per_token",
+                "specter_belady_loads_per_token")
 
 
 def device_label(device: str) -> str:

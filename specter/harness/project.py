@@ -26,12 +26,19 @@ from specter.harness.config import ConfigError
 
 REAL_MODELS = ("dsv2", "qwen15moe", "phi35moe")
 ROUTE_CHOICES = ("auto", "proxy", "independent")
+# residency: an engine row's expert-cache policy (window: Specter's; lru: the baselines', as their designs give them);
 # draft: the INT4 draft a speculative row ran; K and k_source: its draft length, "profiled" (on the modelled
 # device) or "paper" (the method's default: the paper's K, SpecMoEOff's artifact K = 3); the last four columns
-# are the engine's load-efficiency counters where its records carry them (empty otherwise).
+# are the engine's load-efficiency counters (empty for target_only): loads per window and tiny layer and retention hits
+# from its records; loads over the Belady bound at the method's own slots and that bound in real loads per token, over
+# the decode's verified routes (`engine_run.decode_bound`). specter_belady_loads_per_token, on every engine row of an
+# offloading method: the lowest bound of this projection's Specter rows, beside the row's measured loads_per_token (in
+# the copy-bound regime TPOT is about loads/token x one expert's H2D, so no schedule at Specter's slots and windows
+# beats a rival whose measured loads/token are below it).
 CSV_FIELDS = ("model", "memory", "device", "proxy", "routes", "method", "source", "draft", "K", "k_source", "tokens",
-              "resident", "staging", "tpot_ms", "loads_per_token", "copy_busy", "acceptance", "paper_tpot_ms", "ratio",
-              "loads_per_window_layer", "retention_hits", "loads_over_belady", "belady_loads_per_token", "note")
+              "resident", "staging", "residency", "tpot_ms", "loads_per_token", "copy_busy", "acceptance", "paper_tpot_ms", "ratio",
+              "loads_per_window_layer", "retention_hits", "loads_over_belady", "belady_loads_per_token",
+              "specter_belady_loads_per_token", "note")
 
 
 def real_and_proxy(cfg: DictConfig) -> tuple[str, str, bool]:
@@ -205,7 +212,7 @@ def engine_row(cfg: DictConfig, name: str, k_source: str, r, M, S, draft: str) -
     p = cfg.project
     return {"method": name, "source": "engine", "tokens": str(int(p.prompts) * int(p.new_tokens)),
             "resident": "" if M is None or name == "target_only" else str(M),
-            "staging": str(S) if name != "target_only" else "0", "draft": draft,
+            "staging": str(S) if name != "target_only" else "0", "residency": r.residency, "draft": draft,
             "K": "" if r.K is None else str(r.K), "k_source": k_source if r.K is not None else "",
             "tpot_ms": _fmt(r.tpot, 1e3), "loads_per_token": _fmt(r.loads_per_token),
             "copy_busy": _fmt(r.copy_busy), "acceptance": _fmt(r.acceptance),
@@ -250,11 +257,61 @@ def project_rows(cfg: DictConfig) -> tuple[list[dict[str, str]], dict]:
             row["paper_tpot_ms"] = f"{paper[r['method']]:.1f}"
             row["ratio"] = f"{float(row['tpot_ms']) / paper[r['method']]:.4f}"
         rows.append(row)
+    bound = specter_bound(rows)
+    for row in rows:
+        if bound is not None and row["source"] == "engine" and row["loads_per_token"]:
+            row["specter_belady_loads_per_token"] = _fmt(bound)
     facts = {"real": real, "proxy": base["proxy"], "trained": px.trained if px is not None else None,
              "source": source, "resident": M, "staging": staging, "shape": cm.s, "device": cm.d.name,
              "h2d_ms": cm.h2d() * 1e3, "tokens": int(p.tokens), "runs": run["runs"], "K": K, "cm": cm, "px": px,
              "draft": draft_name(str(p.quant), px.draft_bits if px is not None else 4), "profile_rows": run["profile_rows"]}
     return rows, facts
+
+
+def specter_bound(rows: list[dict[str, str]]) -> float | None:
+    """The lowest Belady bound (real loads per token over the decode, at Specter's slots) of Specter's engine rows."""
+    vals = [float(r["belady_loads_per_token"]) for r in rows
+            if r["source"] == "engine" and r["method"] == "specter" and r.get("belady_loads_per_token")]
+    return min(vals) if vals else None
+
+
+def copy_bound_lines(rows: list[dict[str, str]], h2d_ms: float) -> list[str]:
+    """Specter's Belady loads/token beside each rival's measured loads/token, and what that allows.
+
+    On the virtual clock every real load holds the copy stream one expert's H2D, and a decode's copies land between
+    its first and last commit, so Specter's TPOT is at least its decode loads/token x H2D, and at least its bound x
+    H2D (its floor): at its slots, its windows (K, acceptance) and the state its prefill left, no residency policy goes
+    below that. A rival whose TPOT is under Specter's lowest floor cannot be beaten at those slots and windows; one
+    whose measured loads/token are under Specter's bound can be beaten only by the time its copy stream sits idle."""
+    spec = [r for r in rows if r["source"] == "engine" and r["method"] == "specter" and r.get("belady_loads_per_token")]
+    rivals = [r for r in rows if r["source"] == "engine" and r["method"] != "specter" and r["loads_per_token"]]
+    if not spec or not rivals:
+        return []
+    best = min(spec, key=lambda r: float(r["tpot_ms"]))
+    floor = min(float(r["belady_loads_per_token"]) for r in spec) * h2d_ms
+    out = [f"  copy-bound check: TPOT >= loads/token x one expert's H2D ({h2d_ms:.3f} ms). Specter's Belady-optimal "
+           "loads/token at its slots over its verified routes: "
+           + ", ".join(f"{float(r['belady_loads_per_token']):.2f} at K={r['K']} {r['k_source']} "
+                       f"(floor {float(r['belady_loads_per_token']) * h2d_ms:.2f} ms; measured {float(r['loads_per_token']):.2f}, "
+                       f"{float(r['tpot_ms']):.2f} ms)" for r in spec)]
+    body = []
+    for r in rivals:
+        tpot = float(r["tpot_ms"])
+        if float(best["tpot_ms"]) < tpot:
+            verdict = "Specter faster"
+        elif floor < tpot and min(float(x["belady_loads_per_token"]) for x in spec) <= float(r["loads_per_token"]):
+            verdict = "Specter slower; its bound leaves room to win"
+        elif floor < tpot:
+            verdict = ("Specter slower; its bound is above the rival's loads/token, so only the rival's "
+                       "time off the copy stream leaves room")
+        else:
+            verdict = "cannot be won at Specter's slots and windows: its floor >= the rival's TPOT"
+        body.append((r["method"], f"{r['K']} {r['k_source']}" if r["K"] else "-", f"{r['resident']}+{r['staging']}",
+                     r["loads_per_token"], r["tpot_ms"], r["specter_belady_loads_per_token"] or "-", f"{floor:.4f}",
+                     best["tpot_ms"], verdict))
+    out += text_table(("rival", "K", "M+S", "loads/token", "TPOT ms", "Specter bound", "Specter floor ms",
+                       "Specter TPOT ms", "verdict"), body, left=(0, 1))
+    return out
 
 
 def project_csv(rows: list[dict[str, str]]) -> str:
@@ -292,13 +349,14 @@ def format_projection(rows: list[dict[str, str]], facts: dict) -> str:
              f"K: profiled on {facts['device']} or the paper's",
              f"  replay rows: offload_ar replayed over {facts['tokens']} tokens of {routes} (cross-check)"]
     extra = [k for k in EXTRA_STATS if any(r.get(k) for r in rows)]  # the engine's counters, once it reports them
-    head = ("method", "source", "draft", "K", "M+S", "TPOT ms", "paper ms", "ratio", "loads/token", "copy busy",
+    head = ("method", "source", "draft", "K", "M+S", "residency", "TPOT ms", "paper ms", "ratio", "loads/token", "copy busy",
             "accept", *extra, "note")
     body = [(r["method"], r["source"], r["draft"] or "-", f"{r['K']} {r['k_source']}" if r["K"] else "-",
-             f"{r['resident']}+{r['staging']}" if r["resident"] else "-", r["tpot_ms"] or "-", r["paper_tpot_ms"] or "-",
+             f"{r['resident']}+{r['staging']}" if r["resident"] else "-", r.get("residency") or "-", r["tpot_ms"] or "-", r["paper_tpot_ms"] or "-",
              r["ratio"] or "-", r["loads_per_token"] or "-", r["copy_busy"] or "-", r["acceptance"] or "-",
              *(r.get(k) or "-" for k in extra), r["note"]) for r in rows]
-    lines += text_table(head, body, left=(0, 1, 2, 3))
+    lines += text_table(head, body, left=(0, 1, 2, 3, 5))
+    lines += copy_bound_lines(rows, facts["h2d_ms"])
     return "\n".join(lines) + "\n"
 
 

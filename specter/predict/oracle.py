@@ -90,12 +90,21 @@ def oracle_h2d_bytes(
     expert_bytes: int,
 ) -> int:
     """Oracle H2D bytes summed over layers (``capacity`` per layer or one M for all)."""
-    total = 0
+    return sum(layer_min_loads(per_layer_windows, capacity, initial).values()) * expert_bytes
+
+
+def layer_min_loads(
+    per_layer_windows: Mapping[int, Sequence[AbstractSet[int]]],
+    capacity: Mapping[int, int] | int,
+    initial: Mapping[int, AbstractSet[int]] | None,
+) -> dict[int, int]:
+    """Per layer, the fewest expert loads (`min_loads`) over its windows from its initial residents
+    (``capacity`` per layer or one M for all)."""
+    out = {}
     for layer, windows in per_layer_windows.items():
         m = capacity if isinstance(capacity, int) else capacity[layer]
-        start = (initial or {}).get(layer, frozenset())
-        total += min_load_bytes(windows, m, start, expert_bytes)
-    return total
+        out[layer] = min_loads(windows, m, (initial or {}).get(layer, frozenset()))
+    return out
 
 
 

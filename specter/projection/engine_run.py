@@ -41,6 +41,7 @@ class Projected:
     machine: VirtualMachine | None = None
     K: int | None = None  # the draft length a speculative method ran
     extra: dict[str, float] = field(default_factory=dict)  # EXTRA_STATS the records carried
+    residency: str = ""  # the expert cache's residency policy (`specter.offload.policy`); empty for target_only
 
 
 def proxy_overrides(proxy: str, trained: bool, tier: str, method: str, slots: tuple[int | None, int],
@@ -91,9 +92,37 @@ def one_window(machine: VirtualMachine, log_start: int, window: int) -> list[tup
     return [(s, op, a - t0, b - t0) for s, op, a, b in machine.clock.log[log_start:] if t0 <= a < t1]
 
 
-# Load-efficiency columns the engine's records may carry (read with .get: absent until the engine reports them).
-# Each is the mean over the measured records, in the proxy's own terms (per tiny layer and window).
+# Load-efficiency columns of an engine row. loads_per_window_layer and retention_hits are the records' own (the mean
+# over the measured records, per tiny layer and window: each real layer of a tiny layer's block sees the same hits and
+# misses). loads_over_belady and belady_loads_per_token are the projection's (`decode_bound`): in real expert loads,
+# over the decode only, like loads_per_token.
 EXTRA_STATS = ("loads_per_window_layer", "retention_hits", "loads_over_belady", "belady_loads_per_token")
+DECODE_STATS = ("loads_over_belady", "belady_loads_per_token")
+
+
+def decode_routes(method) -> list[dict[int, set[int]]]:
+    """The target's routes of the record just decoded, one dict per window after the prefill: a speculative
+    engine's verification passes, an autoregressive method's steps (route-log window 0 is the prefill)."""
+    engine = getattr(method, "engine", None)
+    recorder = getattr(engine, "recorder", None)
+    if recorder is not None:
+        return [recorder.route_log.windows[w] for w in recorder.verify_windows]
+    return list(method.route_log.windows[1:])
+
+
+def decode_bound(machine: VirtualMachine, rt, windows: list[dict[int, set[int]]], start: dict[int, set[int]]) -> int:
+    """The Belady bound (`predict.oracle`, the records' own) on a decode's real expert loads: per tiny MoE layer, the
+    fewest loads any policy with the method's own M slots could do on the verified routes `windows`, starting from
+    the residents `start` the prefill left; each stands for its block's b_j real layers (`VirtualMachine.block`).
+    Staging buffers do not loosen it (see the oracle's docstring). A layer still holding a borrowed buffer at the
+    start is given that many slots, which can only lower the bound."""
+    from specter.predict.oracle import layer_min_loads
+
+    layers = rt.om.moe_layers
+    capacity = {layer: max(rt.cache.capacity(layer), len(start.get(layer, ()))) for layer in layers}
+    per_layer = {layer: [w.get(layer, set()) for w in windows] for layer in layers}
+    loads = layer_min_loads(per_layer, capacity, start)
+    return sum(machine.block[layer] * n for layer, n in loads.items())
 
 
 @dataclass
@@ -160,16 +189,25 @@ def measure(session: Session, name: str, seed: int, prompts: list[torch.Tensor],
     tokens: list[list[int]] = []
     timeline: list = []
     extra: dict[str, list[float]] = {k: [] for k in EXTRA_STATS}
+    bound = 0  # Σ over records: the Belady bound on the decode's real loads (`decode_bound`)
+    rt = getattr(method, "rt", None)
     for i, prompt in enumerate(prompts):
         method.reset()
         machine.clock.sync()  # records do not overlap: the previous one's copies have landed
         f0, log0 = len(machine.forwards), len(machine.clock.log)
+        start: dict[int, set[int]] = {}
+        if rt is not None:  # the residents when the prefill's forward ends: where the decode starts from
+            machine.on_target_head = lambda start=start, cache=rt.cache: start.update(
+                {layer: cache.resident(layer) for layer in cache.layers})
         out = method.generate(prompt, new_tokens, gen)
+        machine.on_target_head = None
         ends = [f.end for f in machine.forwards[f0:] if f.kind == "target"]
         first, last = ends[0], ends[-1]
         decode_s += last - first
         steps += len(out.tokens) - 1
         loads += machine.real_loads(since=first)
+        if rt is not None:
+            bound += decode_bound(machine, rt, decode_routes(method), start)
         busy += machine.copy_busy(first, last)
         drafted += int(out.stats.get("drafted_tokens") or 0)
         accepted += int(out.stats.get("accepted_tokens") or 0)
@@ -181,8 +219,11 @@ def measure(session: Session, name: str, seed: int, prompts: list[torch.Tensor],
         if i == 0 and name in SPECULATIVE:
             timeline = one_window(machine, log0, timeline_window)
     log = getattr(method, "route_log", None) or getattr(getattr(method, "engine", None), "route_log", None)
-    rt = getattr(method, "rt", None)
     speculative = name in SPECULATIVE
+    stats = {k: sum(v) / len(v) for k, v in extra.items() if v and k not in DECODE_STATS}
+    if rt is not None and steps:
+        stats["belady_loads_per_token"] = bound / steps
+        stats["loads_over_belady"] = loads / bound if bound else None
     return Projected(
         method=name, tpot=decode_s / steps if steps else None,
         loads_per_token=loads / steps if steps and rt is not None else None,
@@ -191,7 +232,8 @@ def measure(session: Session, name: str, seed: int, prompts: list[torch.Tensor],
         resident=int(rt.resident) if rt is not None else None, staging=int(rt.cache.staging) if rt is not None else 0,
         tokens=tokens, timeline=timeline, route_windows=list(log.windows) if log is not None else [],
         decode_forwards=last_targets, machine=machine, K=getattr(method, "K", None),
-        extra={k: sum(v) / len(v) for k, v in extra.items() if v})
+        extra={k: v for k, v in stats.items() if v is not None},
+        residency=str(rt.cache.residency) if rt is not None else "")
 
 
 def run_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prompts: list[torch.Tensor], new_tokens: int,

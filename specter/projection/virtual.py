@@ -69,6 +69,7 @@ class VirtualMachine:
     copies: list[CopyRecord] = field(default_factory=list)
     reads: dict[int, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))  # buffer -> computes
     keep_log: bool = True
+    on_target_head: Any = None  # called once (then cleared) when the next target forward ends: a decode's start state
 
     def __post_init__(self) -> None:
         layers = sorted(self.tiny_layers)
@@ -125,6 +126,9 @@ class VirtualMachine:
     def head(self, tokens: int, kind: str) -> None:
         ev = self._compute(f"lm_head {kind}", self.cm.t(self.cm.lm_head(tokens)))
         self.forwards.append(Forward(ev.time, kind, tokens))
+        if kind == "target" and self.on_target_head is not None:
+            hook, self.on_target_head = self.on_target_head, None
+            hook()
 
     # -- the copy stream
     def copy(self, tag: Any, buffer: torch.Tensor, after: Any) -> Event:
