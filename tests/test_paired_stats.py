@@ -169,9 +169,11 @@ def test_a_straddling_cli_cell_says_so(capsys):
             for m, t in (("offload_ar", a), ("specter", b))]
     t = comparison_table(_as_records(pd.DataFrame(rows)), reference="offload_ar")
     assert bool(t.set_index("method").loc["specter", "ci_straddles_1"])
+    assert t.set_index("method").loc["offload_ar", "ci_straddles_1"] is None  # the baseline is 1 by definition
     print_comparison(t, title="t")
     out = capsys.readouterr().out
     assert "∋1" in out and "straddles 1" in out
+    assert out.count("∋1") == 2  # specter's row and the caption, never the baseline's [1–1]
 
 
 def test_flagged_records_are_left_out_and_counted():

@@ -84,7 +84,8 @@ def _paired_columns(records: pd.DataFrame, baseline: str, method: str) -> dict:
         return {"speedup_paired_median": None, "speedup_ci_low": None, "speedup_ci_high": None,
                 "ci_straddles_1": None, "prompts": 0}
     return {"speedup_paired_median": r.median, "speedup_ci_low": r.low, "speedup_ci_high": r.high,
-            "ci_straddles_1": r.straddles_1, "prompts": r.prompts}
+            "ci_straddles_1": None if method == baseline else r.straddles_1,  # the baseline is 1 by definition
+            "prompts": r.prompts}
 
 
 def _mean(df: pd.DataFrame, column: str) -> float | None:
