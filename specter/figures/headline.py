@@ -197,4 +197,4 @@ def write_verdicts(verdicts: pd.DataFrame, out: Output) -> None:
                   "fastest rival's numbers, the paper's TPOT for it where published, and whether Specter's Belady "
                   "bound (loads/token x one expert's H2D) rules out winning the cell by residency. Rivals: every "
                   "method but Specter, target_only and lossy ones. Tiny proxies stand for the real models they "
-                  f"mirror (proxy column). {verdict.NO_PROJECTION} / n/a: nothing to judge on that side."])
+                  "mirror (proxy column). 'no CPU records' / 'no projection': nothing to judge on that side."])

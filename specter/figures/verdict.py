@@ -86,15 +86,18 @@ def method_facts(records: pd.DataFrame, method: str, one_expert: float) -> dict:
     """Loads per token (median over prompts of the median over repeats), acceptance, K and M+S of one method's
     unflagged records in a cell."""
     r = records[records["variant"] == method]
-    facts = {"loads_per_token": float("nan"), "acceptance": float("nan"), "K": float("nan"), "slots": "n/a"}
+    facts = {"loads_per_token": float("nan"), "h2d_mb_per_token": float("nan"), "acceptance": float("nan"),
+             "K": float("nan"), "slots": "n/a"}
     if r.empty:
         return facts
-    if {"h2d_bytes", "new_tokens"} <= set(r.columns) and one_expert > 0:
+    if {"h2d_bytes", "new_tokens"} <= set(r.columns):
         tokens = pd.to_numeric(r["new_tokens"], errors="coerce")
-        loads = pd.to_numeric(r["h2d_bytes"], errors="coerce") / one_expert / tokens.where(tokens > 0)
-        per_prompt = prompt_medians(r.assign(loads=loads), "loads")
+        per_token = pd.to_numeric(r["h2d_bytes"], errors="coerce") / tokens.where(tokens > 0)
+        per_prompt = prompt_medians(r.assign(h2d_per_token=per_token), "h2d_per_token")
         if len(per_prompt):
-            facts["loads_per_token"] = float(per_prompt.median())
+            facts["h2d_mb_per_token"] = float(per_prompt.median()) / 1e6
+            if one_expert > 0:
+                facts["loads_per_token"] = float(per_prompt.median()) / one_expert
     for col, key in (("acceptance_alpha", "acceptance"), ("K", "K")):
         if col in r.columns:
             v = pd.to_numeric(r[col], errors="coerce").dropna()
@@ -112,7 +115,10 @@ def _facts_text(name: str, f: dict) -> str:
     spec = ""
     if not math.isnan(f["acceptance"]):
         spec = f", acceptance {f['acceptance']:.2f}" + (f" at K={int(f['K'])}" if not math.isnan(f["K"]) else "")
-    return f"{name}: {_fmt(f['loads_per_token'])} loads/token{spec}, M+S {f['slots']}"
+    io = (f"{f['loads_per_token']:.2f} loads/token" if not math.isnan(f["loads_per_token"]) else
+          f"H2D {f['h2d_mb_per_token']:.3g} MB/token (one expert's bytes not recorded)"
+          if not math.isnan(f["h2d_mb_per_token"]) else "loads/token not recorded")
+    return f"{name}: {io}{spec}, M+S {f['slots']}"
 
 
 def cpu_verdicts(paired: pd.DataFrame, records: pd.DataFrame) -> pd.DataFrame:
@@ -290,8 +296,8 @@ def verdict_table(cpu: pd.DataFrame, projected: pd.DataFrame) -> pd.DataFrame:
             got = keys[(real, memory)]
             c, p = got.get("cpu"), got.get("proj")
             rows.append({"model": real, "proxy": c["model"] if c else TINY_OF_REAL.get(real, ""), "memory": memory,
-                         "cpu_verdict": c["cpu_verdict"] if c else "n/a",
-                         "projection_verdict": p["projection_verdict"] if p else "n/a",
+                         "cpu_verdict": c["cpu_verdict"] if c else "no CPU records",
+                         "projection_verdict": p["projection_verdict"] if p else "no projection",
                          "cpu_reason": c["cpu_reason"] if c else NO_RECORDS,
                          "projection_reason": p["projection_reason"] if p else NO_PROJECTION})
     return pd.DataFrame(rows, columns=["model", "proxy", "memory", "cpu_verdict", "projection_verdict", "cpu_reason",
