@@ -443,3 +443,32 @@ def test_verdict_projection_profiled_k_and_bound():
     assert "floor 25.00 ms >= mo_sm's 20.00 ms" in qwen.projection_reason
     assert "the paper's MO-SM TPOT 74.2 ms is 3.71x this projection's" in qwen.projection_reason
     assert "Specter 35.3 ms, 2.10x faster than its MO-SM" in qwen.projection_reason
+
+
+# ---------------------------------------------------------------- honest figures: Fig. 13, batching, hardware
+
+
+def _fixture_routes(root: Path) -> pd.DataFrame:
+    return pd.read_csv(root / "main" / "tiny_dsv2-specter-high" / "routes.csv.gz").assign(model="tiny_dsv2")
+
+
+def test_routing_counts_distinct_windows(tmp_path):
+    """The repeats of a prompt route the same windows: adding identical repeats changes none of Fig. 13's numbers
+    (before, each window counted once per repeat)."""
+    from specter.figures import routing
+
+    spec = _run(tmp_path / "main" / "tiny_dsv2-specter-high", "specter", records=False)
+    routes = [("gsm8k", 0, 1, 0, 1, 2), ("gsm8k", 0, 1, 0, 2, 1), ("gsm8k", 0, 2, 0, 1, 1),
+              ("gsm8k", 1, 1, 0, 3, 1), ("humaneval", 0, 1, 0, 4, 3), ("humaneval", 0, 1, 1, 5, 1)]
+    one = pd.DataFrame([(d, p, 0, w, layer, e, c) for d, p, w, layer, e, c in routes],
+                       columns=["dataset", "prompt_index", "repeat", "window", "layer", "expert", "count"])
+    one.to_csv(spec / "routes.csv.gz", index=False)
+    once = _fixture_routes(tmp_path)
+    # repeats 1 and 2 of every prompt, identical; prompt 1 of gsm8k has only two (repeats differ in number)
+    more = pd.concat([once.assign(repeat=r) for r in (1, 2)] + [once], ignore_index=True)
+    more = more[~((more["dataset"] == "gsm8k") & (more["prompt_index"] == 1) & (more["repeat"] == 2))]
+    ws1, ws3 = routing.working_sets(once), routing.working_sets(more)
+    pd.testing.assert_frame_equal(ws1.reset_index(drop=True), ws3.reset_index(drop=True))
+    assert len(ws1) == 4  # gsm8k 0/1, 0/2, 1/1 and humaneval 0/1: distinct windows
+    assert ws1.set_index(["dataset", "prompt_index", "window"])["distinct_experts"].loc[("gsm8k", 0, 1)] == 2.0  # experts 1, 2
+    pd.testing.assert_frame_equal(routing.distances(once), routing.distances(more))
