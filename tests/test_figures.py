@@ -472,3 +472,62 @@ def test_routing_counts_distinct_windows(tmp_path):
     assert len(ws1) == 4  # gsm8k 0/1, 0/2, 1/1 and humaneval 0/1: distinct windows
     assert ws1.set_index(["dataset", "prompt_index", "window"])["distinct_experts"].loc[("gsm8k", 0, 1)] == 2.0  # experts 1, 2
     pd.testing.assert_frame_equal(routing.distances(once), routing.distances(more))
+
+
+def _figure_texts(module, results: Path, tmp: Path) -> dict[str, str]:
+    """Every figure a figure module draws from `results`, as the text of its titles and captions (not saved)."""
+    import matplotlib.pyplot as plt
+
+    from specter.figures.common import Output
+    from specter.figures.data import ResultSet
+
+    texts: dict[str, str] = {}
+
+    class Recording(Output):
+        def figure(self, fig, name: str) -> None:
+            parts = [t.get_text() for t in fig.texts]
+            parts += [ax.get_title(loc=loc) for ax in fig.axes for loc in ("left", "center", "right")]
+            texts[name] = " ".join(" ".join(p.split()) for p in parts if p)  # captions are wrapped
+            plt.close(fig)
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    module.build(ResultSet(results), Recording(tmp))
+    return texts
+
+
+def test_batch_figures_name_their_datasets(tmp_path):
+    from specter.figures import batching
+
+    results = tmp_path / "results"
+    batch = results / "batch" / "tiny_dsv2"
+    batch.mkdir(parents=True)
+    rows = [("specter", "tiny_dsv2", "high", "emulated", b, "humaneval", 10.0 * b, 100.0, 4.0) for b in (1, 2, 4)]
+    pd.DataFrame(rows, columns=["method", "model", "memory", "hardware", "batch_size", "dataset", "tpot_median_ms",
+                                "throughput_tok_s", "distinct_experts_per_layer"]).to_csv(batch / "batch.csv", index=False)
+    texts = _figure_texts(batching, results, tmp_path / "figs")
+    assert set(texts) == {"fig15_batch_tpot", "fig16_batch_working_set"}
+    for name, text in texts.items():
+        assert "one dataset: humaneval" in text and "averaged over datasets" not in text, name
+    title = (tmp_path / "figs" / "fig15_batch_tpot.md").read_text().splitlines()[0]
+    assert title == "### Fig. 15/16: batched decoding (one dataset: humaneval)"
+    two = pd.DataFrame({"method": ["specter", "specter", "specmoeoff"], "dataset": ["gsm8k", "humaneval", "gsm8k"]})
+    assert batching.datasets_note(two) == "Specter: mean over 2 datasets: gsm8k, humaneval; SpecMoEOff: one dataset: gsm8k"
+    assert batching.datasets_note(two.assign(dataset="all")) == "dataset not recorded"
+
+
+def test_batch_table_title_from_fixture(built):
+    title = (built[0] / "fig15_batch_tpot.md").read_text().splitlines()[0]
+    assert title == "### Fig. 15/16: batched decoding (mean over 2 datasets: gsm8k, humaneval)"
+
+
+def test_projected_figure_titles_name_the_hardware(tmp_path):
+    """Every projected figure names the machine it models, in the titles or caption of each of its figures."""
+    from specter.figures import projected_alpha, projected_batching, projection
+
+    results = tmp_path / "results"
+    _projection(results / "project" / "dsv2-high-a100_40gb_pcie4")
+    for module in (projection, projected_batching, projected_alpha):
+        texts = _figure_texts(module, results, tmp_path / module.__name__)
+        assert texts, module.__name__
+        for name, text in texts.items():
+            assert "A100 40 GB, PCIe 4.0 x16" in text, (name, text)
