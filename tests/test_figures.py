@@ -345,3 +345,189 @@ def test_default_result_set_rule(tmp_path):
     assert default_results(tmp_path) == tmp_path / "results" / "quick"
     _run(tmp_path / "results" / "main" / "a", "specter")
     assert default_results(tmp_path) == tmp_path / "results"
+
+
+# ---------------------------------------------------------------- the verdict per cell (specter.figures.verdict)
+
+
+def test_verdict_cpu_fastest_projection_slower(built):
+    """The fixture's cell: Specter's CI lies above 1 against both lossless rivals on the CPU, while the projection
+    (dsv2 high: MO-SM 31.8 ms, Specter 33.8 ms) has MO-SM ahead."""
+    v = table(built[0], "table_verdict").set_index(["model", "memory"])
+    row = v.loc[("dsv2", "high")]
+    assert row.proxy == "tiny_dsv2"
+    assert row.cpu_verdict == "fastest" and row.projection_verdict == "slower than mo_sm"
+    assert "closest offload_ar 1.68 [1.50," in row.cpu_reason  # 47/28 and its CI over prompts
+    assert "acceptance 0.92 at K=16" in row.cpu_reason and "H2D" in row.cpu_reason
+    assert "Specter 33.80 ms, 46.24 loads/token" in row.projection_reason
+    assert "fastest rival mo_sm 31.80 ms, 43.50 loads/token" in row.projection_reason
+    assert "Belady bound 36.99 loads/token" in row.projection_reason  # no copy_busy: H2D unknown
+    low = v.loc[("dsv2", "low")]  # projected only: no CPU records of that tier
+    assert low.cpu_verdict == "no CPU records" and low.projection_verdict == "slower than mo_sm"
+    head = table(built[0], "table_headline_speedup").set_index(["model", "method"])
+    assert head.loc[("tiny_dsv2", "offload_ar")].cpu_verdict == "fastest"
+    assert head.loc[("tiny_dsv2", "offload_ar")].projection_verdict == "slower than mo_sm"
+    md = (built[0] / "table_headline_speedup.md").read_text()
+    assert "- dsv2 (tiny_dsv2) high: CPU **fastest**" in md and "projection **slower than mo_sm**" in md
+
+
+def _cell_records(model: str, memory: str, tpots: dict[str, list[float]], **extra) -> pd.DataFrame:
+    """Records of one cell: per method, one TPOT per prompt, repeated identically over 2 repeats."""
+    rows = []
+    for method, per_prompt in tpots.items():
+        spec = method in ("specter", "moe_spec")
+        for i, t in enumerate(per_prompt):
+            for r in range(2):
+                rows.append({"method": method, "variant": method, "model": model, "memory": memory,
+                             "hardware": "emulated", "dataset": "gsm8k", "prompt_index": i, "repeat": r,
+                             "tpot_ms": t, "new_tokens": 32, "output_digest": f"p{i}",
+                             "h2d_bytes": 32 * 1000 * (3 if spec else 4), "staging_bytes": 4000, "staging_buffers": 4,
+                             "resident_experts": 8 if spec else 12, "K": 16 if spec else None,
+                             "acceptance_alpha": 0.9 if spec else None,
+                             "token_match_fraction": 0.3 if method == "moe_spec" else None, **extra})
+    return pd.DataFrame(rows)
+
+
+def test_verdict_cpu_straddles_and_slower():
+    from specter.figures import headline, verdict
+
+    straddle = _cell_records("tiny_phi", "high", {
+        "specter": [10.0] * 6, "mo_sm": [8.0, 9.0, 12.0, 13.0, 9.5, 11.0], "offload_ar": [20.0] * 6,
+        "moe_spec": [5.0] * 6,  # lossy (30 % token match): faster, but no rival
+        "target_only": [4.0] * 6})  # every expert resident: no offloading rival
+    slower = _cell_records("tiny_qwen", "low", {"specter": [10.0] * 6, "mo_sm": [5.0] * 6, "offload_ar": [20.0] * 6})
+    records = pd.concat([straddle, slower], ignore_index=True)
+    cpu = verdict.cpu_verdicts(headline.headline_table(records), records).set_index("model")
+    s = cpu.loc["tiny_phi"]
+    assert s.cpu_verdict == "not demonstrated" and s.cpu_rivals == 2  # mo_sm and offload_ar
+    assert s.cpu_closest_rival == "mo_sm" and s.cpu_closest_ci_low < 1 < s.cpu_closest_ci_high
+    assert s.cpu_reason.startswith("CI holds 1 against mo_sm ") and "offload_ar" not in s.cpu_reason.split(".")[0]
+    # one expert = 4000 / 4 bytes: Specter 3 and MO-SM 4 loads per token; M+S = resident + staging
+    assert s.specter_loads_per_token == pytest.approx(3.0) and s.rival_loads_per_token == pytest.approx(4.0)
+    assert "Specter: 3.00 loads/token, acceptance 0.90 at K=16, M+S 8+4" in s.cpu_reason
+    assert "mo_sm: 4.00 loads/token, M+S 12+4" in s.cpu_reason
+    q = cpu.loc["tiny_qwen"]
+    assert q.cpu_verdict == "slower than mo_sm" and q.cpu_reason.startswith("CI below 1 against mo_sm 0.50")
+    table_ = verdict.verdict_table(cpu.reset_index(), verdict.projection_verdicts(None)).set_index("model")
+    assert table_.loc["phi35moe"].proxy == "tiny_phi"
+    assert table_.loc["qwen15moe"].projection_reason == "no projection in the results"
+    assert table_.loc["qwen15moe"].projection_verdict == "no projection"
+
+
+def test_verdict_projection_profiled_k_and_bound():
+    from specter.figures import verdict
+
+    def row(model, method, tpot, loads, k_source="", busy="", bound="", paper=""):
+        return {"model": model, "memory": "high", "device": "a100_40gb_pcie4", "method": method, "tpot_ms": tpot,
+                "loads_per_token": loads, "copy_busy": busy, "k_source": k_source, "K": 16 if k_source else "",
+                "resident": 8, "staging": 4, "acceptance": 0.9 if method == "specter" else "",
+                "specter_belady_loads_per_token": bound, "paper_tpot_ms": paper}
+
+    proj = pd.DataFrame([
+        # phi35moe: the profiled-K row is Specter's, not the faster paper-K one; MO-SM's best of two rows
+        row("phi35moe", "specter", 120.0, 18.0, "profiled"), row("phi35moe", "specter", 100.0, 15.0, "paper"),
+        row("phi35moe", "mo_sm", 150.0, 20.0, "paper"), row("phi35moe", "mo_sm", 130.0, 19.0, "profiled"),
+        row("phi35moe", "moe_spec", 50.0, 5.0), row("phi35moe", "target_only", 10.0, ""),
+        # qwen15moe: H2D = 30 x 0.5 / 30 = 0.5 ms; the bound 50 loads/token floors Specter at 25 ms >= MO-SM's 20
+        row("qwen15moe", "specter", 30.0, 30.0, "profiled", busy=0.5, bound=50.0, paper=35.3),
+        row("qwen15moe", "mo_sm", 20.0, 20.0, busy=0.5, bound=50.0, paper=74.2),
+        row("qwen15moe", "other", 20.0, 20.0)]).assign(device=lambda d: d["device"])
+    proj.loc[len(proj)] = {**row("qwen15moe", "mo_sm", 1.0, 1.0), "device": "h200_pcie5"}  # another machine
+    v = verdict.projection_verdicts(proj).set_index("model")
+    phi = v.loc["phi35moe"]
+    assert phi.projection_verdict == "fastest" and phi.specter_tpot_ms == 120.0 and phi.rival_tpot_ms == 130.0
+    assert phi.projection_bound == "bound not recorded"
+    qwen = v.loc["qwen15moe"]
+    assert qwen.projection_verdict == "slower than mo_sm, other"
+    assert qwen.projection_bound == "cannot be won by residency"
+    assert "floor 25.00 ms >= mo_sm's 20.00 ms" in qwen.projection_reason
+    assert "the paper's MO-SM TPOT 74.2 ms is 3.71x this projection's" in qwen.projection_reason
+    assert "Specter 35.3 ms, 2.10x faster than its MO-SM" in qwen.projection_reason
+
+
+# ---------------------------------------------------------------- honest figures: Fig. 13, batching, hardware
+
+
+def _fixture_routes(root: Path) -> pd.DataFrame:
+    return pd.read_csv(root / "main" / "tiny_dsv2-specter-high" / "routes.csv.gz").assign(model="tiny_dsv2")
+
+
+def test_routing_counts_distinct_windows(tmp_path):
+    """The repeats of a prompt route the same windows: adding identical repeats changes none of Fig. 13's numbers
+    (before, each window counted once per repeat)."""
+    from specter.figures import routing
+
+    spec = _run(tmp_path / "main" / "tiny_dsv2-specter-high", "specter", records=False)
+    routes = [("gsm8k", 0, 1, 0, 1, 2), ("gsm8k", 0, 1, 0, 2, 1), ("gsm8k", 0, 2, 0, 1, 1),
+              ("gsm8k", 1, 1, 0, 3, 1), ("humaneval", 0, 1, 0, 4, 3), ("humaneval", 0, 1, 1, 5, 1)]
+    one = pd.DataFrame([(d, p, 0, w, layer, e, c) for d, p, w, layer, e, c in routes],
+                       columns=["dataset", "prompt_index", "repeat", "window", "layer", "expert", "count"])
+    one.to_csv(spec / "routes.csv.gz", index=False)
+    once = _fixture_routes(tmp_path)
+    # repeats 1 and 2 of every prompt, identical; prompt 1 of gsm8k has only two (repeats differ in number)
+    more = pd.concat([once.assign(repeat=r) for r in (1, 2)] + [once], ignore_index=True)
+    more = more[~((more["dataset"] == "gsm8k") & (more["prompt_index"] == 1) & (more["repeat"] == 2))]
+    ws1, ws3 = routing.working_sets(once), routing.working_sets(more)
+    pd.testing.assert_frame_equal(ws1.reset_index(drop=True), ws3.reset_index(drop=True))
+    assert len(ws1) == 4  # gsm8k 0/1, 0/2, 1/1 and humaneval 0/1: distinct windows
+    assert ws1.set_index(["dataset", "prompt_index", "window"])["distinct_experts"].loc[("gsm8k", 0, 1)] == 2.0  # experts 1, 2
+    pd.testing.assert_frame_equal(routing.distances(once), routing.distances(more))
+
+
+def _figure_texts(module, results: Path, tmp: Path) -> dict[str, str]:
+    """Every figure a figure module draws from `results`, as the text of its titles and captions (not saved)."""
+    import matplotlib.pyplot as plt
+
+    from specter.figures.common import Output
+    from specter.figures.data import ResultSet
+
+    texts: dict[str, str] = {}
+
+    class Recording(Output):
+        def figure(self, fig, name: str) -> None:
+            parts = [t.get_text() for t in fig.texts]
+            parts += [ax.get_title(loc=loc) for ax in fig.axes for loc in ("left", "center", "right")]
+            texts[name] = " ".join(" ".join(p.split()) for p in parts if p)  # captions are wrapped
+            plt.close(fig)
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    module.build(ResultSet(results), Recording(tmp))
+    return texts
+
+
+def test_batch_figures_name_their_datasets(tmp_path):
+    from specter.figures import batching
+
+    results = tmp_path / "results"
+    batch = results / "batch" / "tiny_dsv2"
+    batch.mkdir(parents=True)
+    rows = [("specter", "tiny_dsv2", "high", "emulated", b, "humaneval", 10.0 * b, 100.0, 4.0) for b in (1, 2, 4)]
+    pd.DataFrame(rows, columns=["method", "model", "memory", "hardware", "batch_size", "dataset", "tpot_median_ms",
+                                "throughput_tok_s", "distinct_experts_per_layer"]).to_csv(batch / "batch.csv", index=False)
+    texts = _figure_texts(batching, results, tmp_path / "figs")
+    assert set(texts) == {"fig15_batch_tpot", "fig16_batch_working_set"}
+    for name, text in texts.items():
+        assert "one dataset: humaneval" in text and "averaged over datasets" not in text, name
+    title = (tmp_path / "figs" / "fig15_batch_tpot.md").read_text().splitlines()[0]
+    assert title == "### Fig. 15/16: batched decoding (one dataset: humaneval)"
+    two = pd.DataFrame({"method": ["specter", "specter", "specmoeoff"], "dataset": ["gsm8k", "humaneval", "gsm8k"]})
+    assert batching.datasets_note(two) == "Specter: mean over 2 datasets: gsm8k, humaneval; SpecMoEOff: one dataset: gsm8k"
+    assert batching.datasets_note(two.assign(dataset="all")) == "dataset not recorded"
+
+
+def test_batch_table_title_from_fixture(built):
+    title = (built[0] / "fig15_batch_tpot.md").read_text().splitlines()[0]
+    assert title == "### Fig. 15/16: batched decoding (mean over 2 datasets: gsm8k, humaneval)"
+
+
+def test_projected_figure_titles_name_the_hardware(tmp_path):
+    """Every projected figure names the machine it models, in the titles or caption of each of its figures."""
+    from specter.figures import projected_alpha, projected_batching, projection
+
+    results = tmp_path / "results"
+    _projection(results / "project" / "dsv2-high-a100_40gb_pcie4")
+    for module in (projection, projected_batching, projected_alpha):
+        texts = _figure_texts(module, results, tmp_path / module.__name__)
+        assert texts, module.__name__
+        for name, text in texts.items():
+            assert "A100 40 GB, PCIe 4.0 x16" in text, (name, text)

@@ -7,7 +7,8 @@ the median is used otherwise). Rows repeated for the same key are averaged. `bat
 beside them names the sizes a method's memory tier refused ("refused: ... the largest batch that
 fits is B=n").
 
-Fig. 15  TPOT and aggregate throughput against the batch size B, averaged over datasets
+Fig. 15  TPOT and aggregate throughput against the batch size B, averaged over the datasets the batch.csv
+         files hold (titles and captions name them: `datasets_note`; one dataset is named, not "averaged")
 Fig. 16  the verification working set against B: distinct experts per MoE layer in one target pass
          (`distinct_experts_per_layer`, averaged over the passes), the paper's Fig. 16 quantity, the
          same definition for every method. A pass is what the target model runs at once: one decode
@@ -82,6 +83,23 @@ def load_batch(results: ResultSet) -> pd.DataFrame:
     if data["memory"].nunique() > 1:
         data["series"] = data["method"].astype(str) + " (" + data["memory"].astype(str) + ")"
     return data
+
+
+def datasets_note(data: pd.DataFrame) -> str:
+    """The datasets behind the lines, as the data hold them: "one dataset: humaneval", "mean over 3 datasets: gsm8k,
+    wikitext2, humaneval", per method when methods differ, or "dataset not recorded"."""
+    def names(d: pd.DataFrame) -> list[str]:
+        return order_datasets(set(d["dataset"].astype(str)) - {"all", "", "nan"})
+
+    def phrase(ds: list[str]) -> str:
+        if not ds:
+            return "dataset not recorded"
+        return f"one dataset: {ds[0]}" if len(ds) == 1 else f"mean over {len(ds)} datasets: {', '.join(ds)}"
+
+    per = {m: tuple(names(g)) for m, g in data.groupby("method", sort=False)}
+    if len(set(per.values())) <= 1:
+        return phrase(list(next(iter(per.values()), ())))
+    return "; ".join(f"{method_label(m)}: {phrase(list(per[m]))}" for m in order_methods(per))
 
 
 def averaged(data: pd.DataFrame) -> pd.DataFrame:
@@ -312,7 +330,7 @@ def build(results: ResultSet, out: Output) -> None:
     every = set(avg["series"]) | {series_name(r.method, r.memory, tiers) for r in refused.itertuples(index=False)}
     colors = method_colors(every)
     tpot_note = "mean" if "tpot_mean_ms" in data.columns else "median (no tpot_mean_ms column)"
-    out.table(avg.drop(columns=["series"]), NAME15, "Fig. 15/16: batched decoding, averaged over datasets",
+    out.table(avg.drop(columns=["series"]), NAME15, f"Fig. 15/16: batched decoding ({datasets_note(data)})",
               notes=[f"tpot_ms: per-request TPOT, {tpot_note}; throughput: generated tokens / batch wall time. "
                      f"{WORKING_SET} (Fig. 16): distinct experts per MoE layer in one target pass, averaged over "
                      "the passes; a pass is a decode step of B tokens (autoregressive) or a verification of "
@@ -325,7 +343,8 @@ def build(results: ResultSet, out: Output) -> None:
         methods_here = set(part["method"])
         refused_here = refused[refused["method"].isin(methods_here) & refused["model"].isin(models)] \
             if not refused.empty else refused
-        title = HARDWARE_TITLES.get(hardware[0], f"hardware={hardware[0]}")
+        title = (HARDWARE_TITLES.get(hardware[0], f"hardware={hardware[0]}")
+                 + f"; {datasets_note(data[data['hardware'].isin(hardware)])}")
         note = refused_note(refused_here)
         panels = [("tpot_ms", "TPOT (ms/token)", False)]
         if "throughput_tok_s" in part:

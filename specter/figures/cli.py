@@ -13,12 +13,15 @@ Outputs (missing inputs are skipped with a printed note, never drawn as placehol
   fig09_planner_timeline         planner timeline of one window, Figs. 8/9 style       (trace.csv.gz)
   fig10_draft_kernel_latency     draft-kernel latency per backend                       (draft_kernel.csv)
   fig11_draft_kernel_speedup     speedup of each backend over the unfused loop          (draft_kernel.csv)
-  fig13_routing                  per-window working sets and routing distances          (routes.csv.gz)
+  fig13_routing                  per-window working sets and routing distances, each distinct window once
+                                 (routes.csv.gz)
   fig14_tpot                     TPOT: models x tiers x datasets (+AVG) x methods       (records.csv)
   fig14_tpot_<hardware>          the same for methods run on other hardware (on a CPU: the engines
                                  that place their own weights, beside target_only; one hardware each)
   table_traced_runs              traced runs (method.trace_windows) beside the untraced run
-  table_headline_speedup         Specter's TPOT speedup over each method                (records.csv)
+  table_headline_speedup         Specter's TPOT speedup over each method, with each cell's verdict (records.csv,
+                                 projection.csv)
+  table_verdict                  per model x tier: is Specter fastest on the CPU and in the A100 projection, and why
   fig15_batch_tpot, fig16_batch_working_set, table3_batch, table_batch_scaling          (batch.csv)
   io_vs_oracle                   H2D bytes against the oracle                           (records.csv)
   fig_staging_ablation           every cache-owning method with and without staging buffers (records.csv)

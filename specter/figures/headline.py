@@ -19,12 +19,17 @@ with target_only below 1: specter.figures.lossy) is marked `lossy` with its `tok
 Rows with model = ALL summarise each method over every (model, tier): the mean of the paired
 speedups, of speedup_avg, and the max of max_speedup (the paper's "average 1.50×, up to 1.88×" over
 SpecMoEOff); the row `ALL lossless` averages the paired speedups of the lossless methods only.
+Each cell's rows carry its two verdicts (specter.figures.verdict): `cpu_verdict` (is Specter fastest on the CPU at
+the calibrated link: its CI above 1 against every lossless offloading rival) and `projection_verdict` (in the
+projection on the A100: Specter's profiled-K row against each rival's best row); the notes give each with its reason
+in numbers, and `table_verdict` holds them one row per model x tier.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
+from specter.figures import verdict
 from specter.figures.common import Output, Skip, order_methods
 from specter.figures.data import ResultSet, drifted_note
 from specter.figures.lossy import is_lossy, token_match
@@ -32,6 +37,7 @@ from specter.figures.tpot_grid import CI_SEED, tpot_table
 from specter.harness.paired import flagged_mask, paired_by_prompt
 
 NAME = "table_headline_speedup"
+VERDICT = "table_verdict"
 TITLE = ("Headline: Specter's TPOT speedup over each method (median of per-prompt paired ratios, 95 % CI over "
          "prompts; > 1 = Specter faster)")
 REFERENCE = "specter"
@@ -139,6 +145,8 @@ def build(results: ResultSet, out: Output) -> None:
     table = headline_table(records)
     if table.empty:
         raise Skip("no other method shares a model, memory tier, hardware and records with specter")
+    verdicts = cell_verdicts(results, table, records)
+    table = verdict.headline_columns(table, verdicts)
     holds = straddling(table)
     lossy = sorted(set(table.loc[table["lossy"].astype(bool) & (table["model"] != "ALL"), "method"]))
     out.table(table, NAME, TITLE, notes=[
@@ -152,4 +160,41 @@ def build(results: ResultSet, out: Output) -> None:
         "max over per-dataset ratios). ALL rows: the mean of each method's speedups over every model and tier; "
         "`ALL lossless` averages the lossless methods only"
         + (f" (left out as lossy: {', '.join(lossy)}, token match with target_only below 1). " if lossy else ". ")
-        + f"Only methods measured on Specter's hardware are compared. {drifted_note(results.drifted_count('main'))}"])
+        + f"Only methods measured on Specter's hardware are compared. {drifted_note(results.drifted_count('main'))}",
+        "", "Verdict per model x tier (is Specter fastest? cpu: its prompt-level CI against every lossless offloading "
+        "rival on the calibrated link; projection: on the A100, its profiled-K row against each rival's best row):",
+        "", *verdict_lines(verdicts)])
+    write_verdicts(verdicts, out)
+
+
+def cell_verdicts(results: ResultSet, table: pd.DataFrame, records: pd.DataFrame) -> pd.DataFrame:
+    """verdict.verdict_table over this result set: the CPU verdicts from the paired table and records, the
+    projection verdicts from any projection.csv the projected Fig. 14 finds."""
+    from specter.figures.projection import projections
+
+    try:
+        proj = projections(results)
+    except Skip:
+        proj = None
+    return verdict.verdict_table(verdict.cpu_verdicts(table, records), verdict.projection_verdicts(proj))
+
+
+def verdict_lines(verdicts: pd.DataFrame) -> list[str]:
+    return [f"- {r.model} ({r.proxy or 'no proxy'}) {r.memory}: CPU **{r.cpu_verdict}** ({r.cpu_reason}); "
+            f"projection **{r.projection_verdict}** ({r.projection_reason})" for r in verdicts.itertuples(index=False)]
+
+
+def write_verdicts(verdicts: pd.DataFrame, out: Output) -> None:
+    out.table(verdicts, VERDICT, "Verdict per model and memory tier: is Specter the fastest lossless offloading "
+              "method, on the CPU at the calibrated link and in the projection on the A100?", notes=[
+                  "cpu_verdict: fastest = Specter's prompt-level paired 95 % CI (table_headline_speedup) lies above 1 "
+                  "against every lossless offloading rival measured in the cell; not demonstrated = some CI holds 1 "
+                  "(named in the reason); slower than X = the CI against X lies below 1. The reason gives the "
+                  "closest rival's interval and each side's expert loads per token (H2D bytes / one expert / new "
+                  "tokens), acceptance at K and slots M+S (resident experts per layer + staging buffers). "
+                  "projection_verdict: Specter's profiled-K row against each rival's best row in projection.csv on "
+                  "the A100 (a model of that machine driven by the engine's schedule, not a measurement), with the "
+                  "fastest rival's numbers, the paper's TPOT for it where published, and whether Specter's Belady "
+                  "bound (loads/token x one expert's H2D) rules out winning the cell by residency. Rivals: every "
+                  "method but Specter, target_only and lossy ones. Tiny proxies stand for the real models they "
+                  "mirror (proxy column). 'no CPU records' / 'no projection': nothing to judge on that side."])

@@ -78,7 +78,7 @@ def _figure(df: pd.DataFrame, versus: pd.DataFrame, out: Output, device: str) ->
         row[0].set_title(f"{model_label(model)}, {tier} memory\n{device_label(device)}; {draft} draft", fontsize=9,
                          loc="left", fontweight="bold")
         _claims(row[2], versus[(versus["model"] == model) & (versus["memory"].astype(str) == tier)]
-                if not versus.empty else versus)
+                if not versus.empty else versus, device)
     handles = [Line2D([], [], color=colors[m], marker="o") for m in methods]
     labels = [method_label(m) for m in methods]
     handles += [Patch(color="black"), Patch(color="#9E9E9E")]
@@ -88,8 +88,8 @@ def _figure(df: pd.DataFrame, versus: pd.DataFrame, out: Output, device: str) ->
     out.figure(fig, "fig15_projected_batch" + suffix(device))
 
 
-def _claims(ax, versus: pd.DataFrame) -> None:
-    """Paired bars: the paper's ratio and the projected one, per claim."""
+def _claims(ax, versus: pd.DataFrame, device: str) -> None:
+    """Paired bars: the paper's ratio (its A100) and the projected one (on `device`), per claim."""
     if versus.empty:
         ax.set_axis_off()
         ax.text(0.5, 0.5, "no paper claims for this model", ha="center", va="center", transform=ax.transAxes)
@@ -104,7 +104,7 @@ def _claims(ax, versus: pd.DataFrame) -> None:
     ax.set_yticks(y, names, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", lw=0.6, ls=":")
-    style_axes(ax, "paper vs projected ratios", xlabel="ratio (x)")
+    style_axes(ax, f"paper (its A100) vs projected ratios\non {device_label(device)}", xlabel="ratio (x)")
     ax.grid(axis="x", alpha=0.3, linewidth=0.6)
 
 

@@ -4,11 +4,15 @@ Input: `routes.csv.gz` (or a plain `routes.csv`) in run folders, columns dataset
 repeat, window, layer, expert, count (tokens of that window routed to that expert in that layer). Per model one run configuration
 is used: method specter if present (else the first method by name), high memory if present.
 
-Left   distinct experts per layer per window: for every (record, window) the mean over layers of
-       the number of experts with count > 0; box plot per dataset
+Left   distinct experts per layer per window: for every distinct (prompt, window) the mean over layers
+       of the number of experts with count > 0; box plot per dataset
 Right  pairwise routing distance between datasets: per layer the expert-frequency distribution of
-       each dataset (counts summed over every window, normalised); distance = Jensen–Shannon
+       each dataset (counts summed over every distinct window, normalised); distance = Jensen–Shannon
        distance (base 2, in [0, 1]) averaged over the layers both datasets route through
+
+Windows are counted once: the repeats of a prompt are timing repeats that decode the same tokens, so
+they route the same windows. Each (dataset, prompt_index, window, layer) is taken from the lowest
+repeat that logged it (`distinct_windows`); adding identical repeats changes no number.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from specter.figures.labels import record_source
 
 NAME = "fig13_routing"
 COLUMNS = {"dataset", "window", "layer", "expert", "count"}
-RECORD = ["dataset", "prompt_index", "repeat"]
 
 
 def _main_grid(results: ResultSet, folder) -> bool:
@@ -75,11 +78,25 @@ def load_routes(results: ResultSet) -> pd.DataFrame:
     return pd.concat(chosen, ignore_index=True)
 
 
+WINDOW = ["model", "dataset", "prompt_index", "window", "layer"]  # one routed window of one layer, any repeat
+
+
+def distinct_windows(routes: pd.DataFrame) -> pd.DataFrame:
+    """Each (model, dataset, prompt_index, window, layer) once: the rows of the lowest repeat that logged it (the
+    repeats of a prompt decode the same tokens, so a later repeat logs the same window again)."""
+    if routes.empty or "repeat" not in routes.columns:
+        return routes
+    repeat = pd.to_numeric(routes["repeat"], errors="coerce").fillna(0)
+    first = repeat.groupby([routes[c] for c in WINDOW]).transform("min")
+    return routes[repeat == first]
+
+
 def working_sets(routes: pd.DataFrame) -> pd.DataFrame:
-    """One row per (model, record, window): mean over layers of the distinct experts routed to."""
-    used = routes[routes["count"] > 0]
-    per_layer = used.groupby(["model", *RECORD, "window", "layer"])["expert"].nunique()
-    return per_layer.groupby(["model", *RECORD, "window"]).mean().rename("distinct_experts").reset_index()
+    """One row per distinct (model, prompt, window): mean over layers of the distinct experts routed to."""
+    used = distinct_windows(routes)
+    used = used[used["count"] > 0]
+    per_layer = used.groupby(WINDOW)["expert"].nunique()
+    return per_layer.groupby(WINDOW[:-1]).mean().rename("distinct_experts").reset_index()
 
 
 def js_distance(p: np.ndarray, q: np.ndarray) -> float:
@@ -95,7 +112,7 @@ def js_distance(p: np.ndarray, q: np.ndarray) -> float:
 
 def distances(routes: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    for model, g in routes.groupby("model"):
+    for model, g in distinct_windows(routes).groupby("model"):
         counts = g.groupby(["dataset", "layer", "expert"])["count"].sum()
         experts = sorted(g["expert"].unique())
         datasets = order_datasets(g["dataset"].unique())
@@ -127,12 +144,14 @@ def build(results: ResultSet, out: Output) -> None:
     runs = routes.groupby("model")["run"].first().to_dict()
     summary["run"] = summary["model"].map(runs)
     out.table(summary, f"{NAME}_working_set", "Fig. 13 (left): distinct experts per layer per window",
-              notes=["Per (record, window): mean over layers of the experts with count > 0."])
+              notes=["Per distinct (prompt, window): mean over layers of the experts with count > 0. `windows` "
+                     "counts each window once: the repeats of a prompt decode the same tokens, so only the lowest "
+                     "repeat that logged a window is used."])
     dist = distances(routes)
     if not dist.empty:
         out.table(dist, f"{NAME}_distance", "Fig. 13 (right): pairwise routing distance between datasets",
                   notes=["Jensen–Shannon distance (base 2, 0 = identical, 1 = disjoint) of the per-layer expert "
-                         "frequency distributions, mean over layers."])
+                         "frequency distributions (each distinct window counted once), mean over layers."])
     models = order_models(routes["model"].unique())
     fig, axes = subplots(len(models), 2, w=3.8, h=2.9)
     for r, model in enumerate(models):
