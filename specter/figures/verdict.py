@@ -201,7 +201,7 @@ def h2d_ms(cell: pd.DataFrame) -> float:
 
 def _row_text(name: str, row) -> str:
     acc = _acceptance(row)
-    K = str(row.get("K", "")).strip()
+    K = str(row.get("K", "")).strip().removesuffix(".0")  # pandas reads a column with blanks as floats
     k = f" at K={K}{' ' + str(row.get('k_source')) if str(row.get('k_source', '')) else ''}" if K not in ("", "nan") else ""
     return (f"{name} {_fmt(row['tpot_ms'])} ms, {_fmt(row.get('loads_per_token'))} loads/token"
             + (f", acceptance {acc:.2f}" if not math.isnan(acc) else "") + f"{k}, M+S {_slots(row)}")
