@@ -4,7 +4,9 @@ A method owns its model instance. `generate` is timed by the caller's commit clo
 runs between measured records, outside timing (restoring the expert cache and planner state).
 Which class runs a `method=` is named by its config file (`runner: module:Class`), resolved only
 from the registry of known methods (specter/harness/runners.py): a config never imports arbitrary
-code. A new method is a config file, a class and one registry line.
+code. The registry's line for a method also declares its facts (speculative, owns an expert cache,
+its slots rule, which K profile it reads, ...), which its class reads as `facts`. A new method is a
+config file, a class (with its config schema) and one registry line (docs/methods.md).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, effective_K
-from specter.harness.runners import runner_problem
+from specter.harness.runners import MethodFacts, method_facts, runner_problem
 from specter.harness.runtime import (build_runtime, compact_over, decode_path, final_runtime, gptq_draft_for, method_spec,
                                      staging_for)
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats, step_windows, window_routing
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
+from specter.offload.budget import Footprint
 from specter.offload.calibrate import LinkParams
 from specter.offload.runtime import Runtime
 from specter.predict.oracle import load_columns, oracle_bytes
@@ -49,9 +52,22 @@ class Generation:
 
 
 class Method:
-    """Base class: a named decoding method over one loaded model."""
+    """Base class: a named decoding method over one loaded model.
 
-    name = "base"
+    What a built method exposes, on every method (None or empty where it has none): `rt`, its offloading
+    runtime; `engine`, its speculative engine, and `batch_engines`, a batch's microbatch engines (built by
+    `make_engine`); `route_log`, the target's routes of its last generation; `K`, its draft length;
+    `draft_moe` and `draft_model`, a separate draft instance's MoE runtime and model (SpecMoEOff).
+    """
+
+    name = "base"  # the method's registry name (specter/harness/runners.py), where its facts are declared
+    rt: Runtime | None = None
+    engine: SpeculativeEngine | None = None
+    batch_engines: list[SpeculativeEngine] | tuple = ()
+    route_log: RouteLog | None = None
+    K: int | None = None
+    draft_moe: Any = None
+    draft_model: torch.nn.Module | None = None
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         self.cfg = cfg
@@ -60,9 +76,26 @@ class Method:
         self.device, self.dtype = self.spec.torch_device, self.spec.torch_dtype
         self.params = self.spec.sampling
 
+    @property
+    def facts(self) -> MethodFacts:
+        """What this method is, as its registry line declares it (a class outside the registry: no facts set)."""
+        return method_facts(self.name) or MethodFacts(f"{type(self).__module__}:{type(self).__qualname__}")
+
     def make_spec(self, cfg: DictConfig) -> MethodSpec:
         """This method's spec: the config's, with the method's own fields (a baseline replaces some)."""
         return method_spec(cfg)
+
+    def make_engine(self, params: SamplingParams | None = None) -> SpeculativeEngine:
+        """A new speculative engine over this method's runtime (only a method with `engine` has one)."""
+        raise TypeError(f"{type(self).__name__} has no speculative engine")
+
+    def footprint_at(self, B: int) -> Footprint | None:
+        """The method's device footprint at batch size B (None: no budget applies): its runtime's at B=1 with
+        KV cache and scratch per request. A method whose other state grows with B too overrides this."""
+        if self.rt is None:
+            return None
+        fp = self.rt.footprint
+        return replace(fp, kv_cache=B * fp.kv_cache, scratch=B * fp.scratch)
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator) -> Generation:
         raise NotImplementedError
@@ -85,7 +118,7 @@ class Method:
 
     def final_spec(self) -> MethodSpec:
         """The spec as built: cache sizes a method derives once its model is loaded filled in."""
-        rt = getattr(self, "rt", None)
+        rt = self.rt
         return self.spec if rt is None else replace(self.spec, resident=rt.resident, staging=rt.cache.staging)
 
     def environment(self) -> dict[str, Any]:
@@ -247,6 +280,11 @@ class Specter(Method):
         rt.check_budget(spec.describe())  # the M slots beside the draft, before any staging buffer
         staging = staging_for(spec, rt, replace(rt.footprint, draft_experts=self.draft_bytes))
         return final_runtime(rt, spec.resident, staging, draft=draft, draft_bytes=self.draft_bytes, what=spec.describe())
+
+    @property
+    def route_log(self) -> RouteLog:
+        """The target's routes of the last generation: its engine's."""
+        return self.engine.route_log
 
     @property
     def draft(self) -> dict:

@@ -43,7 +43,7 @@ class BatchPoint:
 
 def prepare_batching(method) -> None:
     """The batch engines exist before the machine is attached, so `attach` puts them on the clock too."""
-    if hasattr(method, "make_engine") and not getattr(method, "batch_engines", None):
+    if method.engine is not None and not method.batch_engines:
         method.batch_engines = [method.make_engine() for _ in range(method.microbatches)]
 
 

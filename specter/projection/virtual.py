@@ -244,7 +244,7 @@ def attach(method, machine: VirtualMachine) -> list:
     from specter.models.arch import moe_blocks
 
     handles = []
-    rt = getattr(method, "rt", None)
+    rt = method.rt
     if rt is None:  # target_only: every expert resident, transformers' own MoE blocks
         model = method.model
         for layer, block in moe_blocks(model).items():
@@ -260,12 +260,12 @@ def attach(method, machine: VirtualMachine) -> list:
     rt.link.close()
     rt.cache.link = link
     method.rt = replace(rt, link=link)
-    for engine in [getattr(method, "engine", None), *getattr(method, "batch_engines", [])]:
+    for engine in [method.engine, *method.batch_engines]:
         if engine is not None:
             attach_engine(engine, method.rt, machine)
     rt.moe.meter = machine
     handles.append(_lm_head(rt.model).register_forward_hook(_head_hook(machine, rt.moe, None)))
-    draft_moe, draft_model = getattr(method, "draft_moe", None), getattr(method, "draft_model", None)
+    draft_moe, draft_model = method.draft_moe, method.draft_model
     if draft_moe is not None and draft_model is not None:  # a separate draft instance (SpecMoEOff)
         draft_moe.meter = machine
         handles.append(_lm_head(draft_model).register_forward_hook(_head_hook(machine, draft_moe, "draft")))
