@@ -207,7 +207,7 @@ def engine_rows(cfg: DictConfig, cm, px) -> tuple[list[dict], dict]:
 
 
 def engine_row(cfg: DictConfig, name: str, k_source: str, r, M, S, draft: str) -> dict:
-    from specter.harness.runners import is_method
+    from specter.harness.runners import is_method, method_facts
     from specter.projection.engine_run import EXTRA_STATS
 
     p = cfg.project
@@ -218,12 +218,7 @@ def engine_row(cfg: DictConfig, name: str, k_source: str, r, M, S, draft: str) -
             "K": "" if r.K is None else str(r.K), "k_source": k_source if r.K is not None else "",
             "tpot_ms": _fmt(r.tpot, 1e3), "loads_per_token": _fmt(r.loads_per_token),
             "copy_busy": _fmt(r.copy_busy), "acceptance": _fmt(r.acceptance),
-            **{k: _fmt(r.extra.get(k)) for k in EXTRA_STATS}, "note": NOTES[name]}
-
-
-NOTES = {"target_only": "every expert resident", "offload_ar": "LRU on demand", "mo_sc": "LRU + staging, same cache",
-         "mo_sm": "LRU, same memory", "specmoeoff": "separate draft, route-frequency prefetch",
-         "moe_spec": "Specter + verification expert budget", "specter": "shared INT4 draft, adaptive prefetch"}
+            **{k: _fmt(r.extra.get(k)) for k in EXTRA_STATS}, "note": method_facts(name).summary}
 
 
 def project_rows(cfg: DictConfig) -> tuple[list[dict[str, str]], dict]:

@@ -31,6 +31,7 @@ class MethodFacts:
     """What a method is, declared once: the registry's line for it."""
 
     runner: str  # "package.module:Class", a `specter.harness.methods.Method` subclass
+    summary: str = ""  # what it is, in a few words (the projection's note column)
     speculative: bool = False  # drafts K tokens per window and verifies them with the target
     owns_cache: bool = False  # decodes through Specter's offloading runtime: an expert cache, the link, staging buffers
     external: bool = False  # another engine (transformers, llama.cpp, vLLM) decodes; Specter's runtime is not used
@@ -72,23 +73,28 @@ class MethodFacts:
 
 
 _METHODS: dict[str, MethodFacts] = {
-    "target_only": MethodFacts("specter.harness.methods:TargetOnly", slots_rule="all"),
-    "offload_ar": MethodFacts("specter.harness.methods:OffloadAR", owns_cache=True),
-    "mo_sc": MethodFacts("baselines.mixtral_offloading:MixtralOffloading", owns_cache=True),
-    "mo_sm": MethodFacts("baselines.mixtral_offloading:MixtralOffloadingSM", owns_cache=True, slots_rule="same_memory"),
-    "specter": MethodFacts("specter.harness.methods:Specter", speculative=True, owns_cache=True, tunes_k=True,
-                           reads_k_profile=True),
-    "moe_spec": MethodFacts("baselines.moe_spec:MoESpec", speculative=True, owns_cache=True, lossy=True,
-                            reads_k_profile=True),
-    "specmoeoff": MethodFacts("baselines.specmoeoff:SpecMoEOff", speculative=True, owns_cache=True, tunes_k=True,
-                              reads_k_profile=True, own_k_profile=True, slots_rule="fit"),
-    "specmoeoff_artifact": MethodFacts("baselines.specmoeoff:SpecMoEOffArtifact", speculative=True, owns_cache=True,
-                                       slots_rule="preset", preset_of="specmoeoff"),
-    "transformers": MethodFacts("baselines.transformers_engine:TransformersEngine", external=True, slots_rule="own"),
-    "llamacpp": MethodFacts("baselines.llamacpp_engine:LlamaCpp", external=True, slots_rule="own"),
-    "vllm": MethodFacts("baselines.vllm_engine:Vllm", external=True, out_of_process=True, slots_rule="own"),
+    "target_only": MethodFacts("specter.harness.methods:TargetOnly", "every expert resident", slots_rule="all"),
+    "offload_ar": MethodFacts("specter.harness.methods:OffloadAR", "LRU on demand", owns_cache=True),
+    "mo_sc": MethodFacts("baselines.mixtral_offloading:MixtralOffloading", "LRU + staging, same cache", owns_cache=True),
+    "mo_sm": MethodFacts("baselines.mixtral_offloading:MixtralOffloadingSM", "LRU, same memory", owns_cache=True,
+                         slots_rule="same_memory"),
+    "specter": MethodFacts("specter.harness.methods:Specter", "shared INT4 draft, adaptive prefetch", speculative=True,
+                           owns_cache=True, tunes_k=True, reads_k_profile=True),
+    "moe_spec": MethodFacts("baselines.moe_spec:MoESpec", "Specter + verification expert budget", speculative=True,
+                            owns_cache=True, lossy=True, reads_k_profile=True),
+    "specmoeoff": MethodFacts("baselines.specmoeoff:SpecMoEOff", "separate draft, route-frequency prefetch",
+                              speculative=True, owns_cache=True, tunes_k=True, reads_k_profile=True, own_k_profile=True,
+                              slots_rule="fit"),
+    "specmoeoff_artifact": MethodFacts("baselines.specmoeoff:SpecMoEOffArtifact", "SpecMoEOff at the artifact's preset",
+                                       speculative=True, owns_cache=True, slots_rule="preset", preset_of="specmoeoff"),
+    "transformers": MethodFacts("baselines.transformers_engine:TransformersEngine", "transformers + accelerate offload",
+                                external=True, slots_rule="own"),
+    "llamacpp": MethodFacts("baselines.llamacpp_engine:LlamaCpp", "llama.cpp over a GGUF export", external=True,
+                            slots_rule="own"),
+    "vllm": MethodFacts("baselines.vllm_engine:Vllm", "vLLM with CPU weight offload", external=True,
+                        out_of_process=True, slots_rule="own"),
 }
-FACTS = tuple(f.name for f in fields(MethodFacts) if f.name != "runner") + (
+FACTS = tuple(f.name for f in fields(MethodFacts) if f.name not in ("runner", "summary")) + (
     "places_itself", "reads_specter_profile", "projected", "batched_projection")
 
 
