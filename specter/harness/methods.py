@@ -29,6 +29,7 @@ from specter.models.loading import load_full_model
 from specter.moe import RouteLog
 from specter.offload.budget import Footprint
 from specter.offload.calibrate import LinkParams
+from specter.offload.instruments import NO_INSTRUMENTS, Instruments
 from specter.offload.runtime import Runtime
 from specter.predict.oracle import load_columns, oracle_bytes
 from specter.predict.planner import PrefetchPlanner
@@ -68,6 +69,7 @@ class Method:
     K: int | None = None
     draft_moe: Any = None
     draft_model: torch.nn.Module | None = None
+    instruments: Instruments = NO_INSTRUMENTS  # what it is measured by (`instrument`); none: its own link and clocks
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         self.cfg = cfg
@@ -88,6 +90,18 @@ class Method:
     def make_engine(self, params: SamplingParams | None = None) -> SpeculativeEngine:
         """A new speculative engine over this method's runtime (only a method with `engine` has one)."""
         raise TypeError(f"{type(self).__name__} has no speculative engine")
+
+    def instrument(self, instruments: Instruments) -> None:
+        """Measure this method by ``instruments`` from now on: its runtime gets their link and meter
+        (`Runtime.instrumented`), and every engine it has built or builds their clocks. Called by
+        `build_method(..., instruments=)`, or on a built method before it decodes (the projection, once
+        it knows the method's layers)."""
+        self.instruments = instruments
+        if self.rt is not None:
+            self.rt = self.rt.instrumented(instruments)
+        for engine in [self.engine, *self.batch_engines]:
+            if engine is not None:
+                engine.instrument(self.rt, instruments)
 
     def footprint_at(self, B: int) -> Footprint | None:
         """The method's device footprint at batch size B (None: no budget applies): its runtime's at B=1 with
@@ -135,8 +149,9 @@ class Method:
         pass
 
 
-def build_method(cfg: DictConfig, checkpoint: Path) -> Method:
-    """Instantiate the known method class named by `method.runner` ("package.module:Class")."""
+def build_method(cfg: DictConfig, checkpoint: Path, instruments: Instruments | None = None) -> Method:
+    """Instantiate the known method class named by `method.runner` ("package.module:Class"), measured by
+    ``instruments`` when given (`Method.instrument`)."""
     runner = cfg.method.get("runner")
     problem = runner_problem(cfg.method.name, runner)
     if problem:
@@ -148,7 +163,14 @@ def build_method(cfg: DictConfig, checkpoint: Path) -> Method:
         raise ConfigError(f"method {cfg.method.name!r}: cannot load runner {runner} ({err})") from None
     if not (isinstance(factory, type) and issubclass(factory, Method)):
         raise ConfigError(f"method {cfg.method.name!r}: runner {runner} is not a Method class")
-    return factory(cfg, checkpoint)
+    method = factory(cfg, checkpoint)
+    if instruments is not None and not instruments.empty:
+        try:
+            method.instrument(instruments)
+        except BaseException:
+            method.close()
+            raise
+    return method
 
 
 class TargetOnly(Method):
@@ -308,7 +330,7 @@ class Specter(Method):
         return SpeculativeEngine(self.rt, s.K, s.sampling if params is None else params, prefetch=s.prefetch,
                                  planner_config=s.planner, planner_state=s.planner_state,
                                  expert_filter=self.expert_filter(), plan_cap=s.plan_cap, planner=self.planner(),
-                                 drafter=self.drafter(), trace_windows=s.trace_windows)
+                                 drafter=self.drafter(), trace_windows=s.trace_windows, instruments=self.instruments)
 
     def residency(self) -> str:
         """The expert cache's residency policy (`specter.offload.policy`): `method.residency`; a baseline
@@ -386,8 +408,16 @@ class Specter(Method):
     def retime_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> LinkParams:
         params = super().retime_link(per_layer_step_s, latency_us, source)
         for engine in [self.engine, *self.batch_engines]:  # built over the runtime before: same link, old params
-            engine.rt = self.rt
+            engine.use_runtime(self.rt)
         return params
+
+    def set_draft_length(self, K: int) -> None:
+        """Decode at draft length K from now on: a new engine over the same runtime, draft and instruments
+        (what the builder would make at that K; building the method again costs seconds)."""
+        self.spec = replace(self.spec, K=K)
+        self.K = K
+        self.engine = self.make_engine()
+        self.batch_engines = []
 
     def static_fields(self) -> dict[str, Any]:
         return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.target.schedule,

@@ -153,18 +153,10 @@ def open_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prepare=None) 
 def set_K(session: Session, K: int) -> None:
     """The built method at draft length K: a new engine over the same runtime, draft and machine (what the
     builder would make at that K; building the method again per K of a profile costs seconds each)."""
-    from dataclasses import replace
-
-    from specter.projection.virtual import attach_engine
-
     method = session.method
     if method.engine is None:
         raise TypeError(f"{type(method).__name__} has no draft length to set")
-    method.spec = replace(method.spec, K=K)
-    method.K = K
-    method.engine = method.make_engine()
-    method.batch_engines = []
-    attach_engine(method.engine, method.rt, session.machine)
+    method.set_draft_length(K)  # the new engine takes the machine's instruments the method was handed
 
 
 def close(session: Session) -> None:

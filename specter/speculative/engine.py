@@ -33,6 +33,7 @@ import torch
 
 from specter.metrics import CommitClock, io_stats, window_routing
 from specter.moe import ExpertFilter, RouteLog
+from specter.offload.instruments import Instruments
 from specter.offload.runtime import Runtime
 from specter.offload.store import ExpertUID
 from specter.predict.elb import ExpertLoadBuffer
@@ -339,17 +340,18 @@ class SpeculativeEngine(BatchLoop):
     """
 
     # The time source the planner's draft-step estimate is read from (seconds); None: the host's clock
-    # (CUDA events on a GPU). A modelled device sets its own (specter/projection/virtual.py).
+    # (CUDA events on a GPU). A modelled device hands in its own (`Instruments`, specter/projection/virtual.py).
     step_clock: Callable[[], float] | None = None
 
     def __init__(self, rt: Runtime, K: int, params: SamplingParams, prefetch: str = "adaptive",
                  planner_config: PlannerConfig | None = None, planner_state: PlannerState = "warm",
                  expert_filter: ExpertFilter | None = None, plan_cap: int | None = None,
                  planner: PrefetchPlanner | None = None, drafter: SharedDrafter | None = None, max_holes: int = 0,
-                 trace_windows: bool = False):
+                 trace_windows: bool = False, instruments: Instruments | None = None):
         """``planner`` (a policy object) replaces the named ``prefetch`` policy; ``drafter`` replaces the
         shared-instance INT4 draft; ``expert_filter`` applies to verification passes only;
-        ``trace_windows`` records a `WindowTracer` per run (host-timed links)."""
+        ``trace_windows`` records a `WindowTracer` per run (host-timed links); ``instruments``: the clocks a
+        modelled device hands in (``rt`` already carries their link and meter: `Runtime.instrumented`)."""
         settings = WindowSettings(K, params, expert_filter, max_holes)
         if planner is None and prefetch not in POLICIES:
             raise ValueError(f"unknown prefetch policy {prefetch!r}; choose one of {POLICIES}")
@@ -363,7 +365,27 @@ class SpeculativeEngine(BatchLoop):
         self.plan_capacity = plan_capacity(capacity, getattr(rt.cache, "staging", 0), plan_cap)
         self.prefetcher = window_prefetch(self.planner.name, self.layers, rt.om.num_experts, self.device)
         self.recorder = WindowRecorder(rt.link, self.layers, trace_windows)
+        self._use_clocks(instruments)
         self.begin_run()
+
+    def _use_clocks(self, instruments: Instruments | None) -> None:
+        if instruments is not None and instruments.step_clock is not None:
+            self.step_clock = instruments.step_clock
+        if instruments is not None and instruments.commit_clock is not None:
+            self.commit_clock = instruments.commit_clock
+
+    def use_runtime(self, rt: Runtime) -> None:
+        """Decode through ``rt`` from now on: the same model, cache and link as the one built over, with other
+        parameters (`Runtime.recalibrate_link`)."""
+        self.rt = rt
+
+    def instrument(self, rt: Runtime, instruments: Instruments) -> None:
+        """An engine built before its method was instrumented: decode through the instrumented runtime ``rt``,
+        its link timing the windows' copies, and read ``instruments``' clocks; a fresh run."""
+        self.rt = rt
+        self.recorder.link = rt.link
+        self.recorder.begin_run()
+        self._use_clocks(instruments)
 
     # ------------------------------------------------------------------------------ views
     K = property(lambda self: self.settings.K, doc="the most draft tokens per request and window")
