@@ -192,3 +192,67 @@ def test_the_base_class_exposes_defaults():
     for attr in ("rt", "engine", "route_log", "K", "draft_moe", "draft_model"):
         assert getattr(Method, attr) is None
     assert Method.batch_engines == ()
+
+
+def test_nothing_assigns_to_a_built_method_or_engine_from_outside():
+    """A method, its engines and its runtime are instrumented by handing them an `Instruments` value
+    (`Method.instrument`, `build_method(..., instruments=)`): outside the engine's own package, no code assigns
+    their attributes (runtime, link, meter, clocks, engines, K, spec)."""
+    import ast
+
+    attrs = {"rt", "link", "meter", "step_clock", "commit_clock", "recorder", "engine", "batch_engines", "K", "spec",
+             "route_log", "draft_moe", "draft_model", "instruments"}
+    owners = {"method", "engine", "rt", "session", "runtime"}
+    found = []
+    for root in ("specter", "baselines"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            parts = path.relative_to(REPO).parts
+            if "figures" in parts or "speculative" in parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                for t in targets:
+                    if not (isinstance(t, ast.Attribute) and t.attr in attrs):
+                        continue
+                    chain, r = [], t.value
+                    while isinstance(r, ast.Attribute):
+                        chain.append(r.attr)
+                        r = r.value
+                    if isinstance(r, ast.Name) and r.id not in ("self", "cls") and (r.id in owners or
+                                                                                   set(chain) & {"engine", "rt"}):
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(t)}")
+    assert not found, "\n".join(found)
+
+
+def test_instruments_reach_the_runtime_and_every_engine(tiny_checkpoint):
+    """`build_method(..., instruments=)` installs the link and meter on the runtime and the clocks on the engines,
+    those built later included; with none, the method keeps its own."""
+    from specter.harness.compose import compose
+    from specter.harness.methods import build_method
+    from specter.offload.instruments import Instruments
+    from specter.offload.link import ImmediateLink
+
+    cfg = compose(["model=tiny_dsv2", "method=specter", "method.quant=rtn", "hardware=cpu", "memory=high"])
+    plain = build_method(cfg, tiny_checkpoint("tiny_dsv2"))
+    try:
+        assert plain.rt.moe.meter is None and plain.engine.step_clock is None
+    finally:
+        plain.close()
+
+    class Meter:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    link, meter = ImmediateLink(), Meter()
+    clock = lambda: 0.0  # noqa: E731
+    method = build_method(cfg, tiny_checkpoint("tiny_dsv2"),
+                          instruments=Instruments(link=link, meter=meter, step_clock=clock))
+    try:
+        assert method.rt.link is link and method.rt.cache.link is link and method.rt.moe.meter is meter
+        for engine in [method.engine, *method.build_batch_engines()]:
+            assert engine.rt is method.rt and engine.recorder.link is link and engine.step_clock is clock
+        method.set_draft_length(2)
+        assert method.engine.K == 2 and method.engine.step_clock is clock and method.engine.recorder.link is link
+    finally:
+        method.close()

@@ -360,10 +360,15 @@ class Specter(Method):
         for engine in [self.engine, *self.batch_engines]:
             engine.mark_warm()
 
-    def generate_batch(self, prompts, max_new_tokens, generators):
-        if not self.batch_engines:  # one engine per microbatch, built at the first batch
+    def build_batch_engines(self) -> list[SpeculativeEngine]:
+        """One engine per microbatch, built at the first batch (or before it, e.g. before instruments are
+        handed in); the same ones after that."""
+        if not self.batch_engines:
             self.batch_engines = [self.make_engine() for _ in range(self.microbatches)]
-        run = generate_microbatched(self.batch_engines, prompts, max_new_tokens, generators)
+        return self.batch_engines
+
+    def generate_batch(self, prompts, max_new_tokens, generators):
+        run = generate_microbatched(self.build_batch_engines(), prompts, max_new_tokens, generators)
         if self.verify:
             for prompt, req in zip(prompts, run.requests):
                 req.stats["lossless_check"] = self._check_lossless(prompt, req.tokens)
