@@ -41,6 +41,7 @@ from specter.harness.runtime import final_runtime, staging_for
 from specter.models.loading import non_expert_bytes
 from specter.offload.budget import MB, BudgetError
 from specter.moe import DraftExecutor, MoERuntime, SpecterExperts
+from specter.offload.instruments import Instruments
 from specter.offload.runtime import Runtime
 from specter.predict.planner import PlannerConfig, PrefetchPlanner
 from specter.quant.draft import draft_forward
@@ -222,6 +223,13 @@ class SpecMoEOff(Specter):
                               separate_draft=self.draft_extra, what=f"{what} (M={M})")
         self.draft_model, self.draft_moe = separate_draft_instance(final, draft)
         return final
+
+    def instrument(self, instruments: Instruments) -> None:
+        """The target's runtime and engines as every method's, and the separate draft instance reports to the
+        meter too."""
+        super().instrument(instruments)
+        if instruments.meter is not None:
+            self.draft_moe.meter = instruments.meter
 
     def planner(self) -> RouteFrequencyPlanner:
         return RouteFrequencyPlanner(self.K, self.rt.om.store.nbytes_per_expert, self.spec.prefetch_at)

@@ -430,7 +430,7 @@ class _Pieces:
 
 def _io_now(method: Any) -> tuple[int, int, int, int]:
     """(link bytes, expert loads, demand hits, demand misses) so far; zeros with no offloading runtime."""
-    rt = getattr(method, "rt", None)
+    rt = method.rt
     if rt is None:
         return 0, 0, 0, 0
     c = rt.cache.snapshot_counters()

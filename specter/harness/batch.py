@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,18 +64,9 @@ def prompt_pool(cfg: DictConfig, sizes: list[int]) -> int:
 
 
 # ---------------------------------------------------------------------------------- budget
-def batch_footprint(footprint: Footprint, B: int) -> Footprint:
-    """A B=1 runtime's footprint at batch size B: KV cache and scratch are per request."""
-    return replace(footprint, kv_cache=B * footprint.kv_cache, scratch=B * footprint.scratch)
-
-
 def footprint_at(method: Method, B: int) -> Footprint | None:
-    """The method's device footprint at batch size B (None: no budget applies). A method whose
-    other state grows with B too (a separate draft's KV) says so with `batch_footprint(B)`."""
-    if hasattr(method, "batch_footprint"):
-        return method.batch_footprint(B)
-    rt = getattr(method, "rt", None)
-    return batch_footprint(rt.footprint, B) if rt is not None else None
+    """The method's device footprint at batch size B (None: no budget applies): `Method.footprint_at`."""
+    return method.footprint_at(B)
 
 
 def largest_batch(one: Footprint, two: Footprint, budget_bytes: int) -> int:

@@ -99,7 +99,7 @@ def _layer_step_probe(cfg: DictConfig, checkpoint: Path, method: Any) -> Callabl
     steps = _probe_steps(cfg)
     if steps <= 0:
         return None
-    model = probe_decoder(checkpoint, method.dtype, method.device, getattr(method.spec, "decode_path", "hf"))
+    model = probe_decoder(checkpoint, method.dtype, method.device, method.spec.decode_path)
     return lambda: measure_layer_step(model, steps=steps)
 
 
@@ -107,7 +107,7 @@ def calibrate_after_warmup(cfg: DictConfig, checkpoint: Path, method: Any) -> fl
     """Re-time the method's emulated link from the layer step probed now, right after its warm-up
     (the per-record monitor's probe, median of CALIBRATION_PROBES) -> that step in seconds; None
     where nothing is recalibrated (no emulated link, a pinned bandwidth, recalibrate=false, no probe)."""
-    rt = getattr(method, "rt", None)
+    rt = method.rt
     params: LinkParams | None = getattr(rt, "link_params", None)
     if params is None or params.kind != "emulated" or not params.calibrated or not cfg.hardware.get("recalibrate"):
         return None
@@ -128,7 +128,7 @@ def calibrate_after_warmup(cfg: DictConfig, checkpoint: Path, method: Any) -> fl
 def run_load_ratios(cfg: DictConfig, checkpoint: Path, method: Any, calibrated_step_s: float | None = None) -> RecordRatios:
     """The per-record monitor of a run, started right after its warm-up; its first layer step is
     `calibrated_step_s` (what `calibrate_after_warmup` measured) or a probe of its own."""
-    rt = getattr(method, "rt", None)
+    rt = method.rt
     params: LinkParams | None = getattr(rt, "link_params", None)
     if rt is None or params is None:  # target_only, engine baselines: no link of ours
         return RecordRatios(None)

@@ -26,9 +26,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specter.harness.config import ConfigError
 from specter.harness.load_ratio import ratio_summary
+from specter.harness.runners import is_method
 
 TABLE = "load_ratio.csv"
-LINKLESS = ("target_only",)  # methods that keep every expert on the device: one run per model
+
+
+def linkless(method: str) -> bool:
+    """A method that keeps every expert on the device (slots rule "all"): no link, one run per model."""
+    return is_method(method, slots_rule="all")
 
 
 def sweep_settings(cfg: DictConfig) -> tuple[list[str], list[str], list[float], list[str]]:
@@ -126,7 +131,7 @@ def load_ratio_sweep(cfg: DictConfig) -> Path:
     root = Path(cfg.output_dir)
     rows = []
     for model in models:
-        for method in (m for m in methods if m in LINKLESS):
+        for method in (m for m in methods if linkless(m)):
             print(f"\n== {model} {method} (no link: one run for every r) ==", flush=True)
             out = run(cell_config(cfg, model, tiers[0], method, None, root / model / method))
             rec = pd.read_csv(out / "records.csv")
@@ -136,7 +141,7 @@ def load_ratio_sweep(cfg: DictConfig) -> Path:
         named = named_ratios(cfg, model)
         for tier in tiers:
             for r in sorted({*ratios, *named}):
-                for method in (m for m in methods if m not in LINKLESS):
+                for method in (m for m in methods if not linkless(m)):
                     print(f"\n== {model} memory={tier} {ratio_label(r)} {method} ==", flush=True)
                     out = run(cell_config(cfg, model, tier, method, r, root / model / tier / ratio_label(r) / method))
                     rows.append(cell_row(pd.read_csv(out / "records.csv"), model=model, memory=tier,

@@ -4,7 +4,9 @@ A method owns its model instance. `generate` is timed by the caller's commit clo
 runs between measured records, outside timing (restoring the expert cache and planner state).
 Which class runs a `method=` is named by its config file (`runner: module:Class`), resolved only
 from the registry of known methods (specter/harness/runners.py): a config never imports arbitrary
-code. A new method is a config file, a class and one registry line.
+code. The registry's line for a method also declares its facts (speculative, owns an expert cache,
+its slots rule, which K profile it reads, ...), which its class reads as `facts`. A new method is a
+config file, a class (with its config schema) and one registry line (docs/methods.md).
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import torch
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError, effective_K
-from specter.harness.runners import runner_problem
+from specter.harness.runners import MethodFacts, method_facts, runner_problem
 from specter.harness.runtime import (build_runtime, compact_over, decode_path, final_runtime, gptq_draft_for, method_spec,
                                      staging_for)
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats, step_windows, window_routing
 from specter.models.loading import load_full_model
 from specter.moe import RouteLog
+from specter.offload.budget import Footprint
 from specter.offload.calibrate import LinkParams
+from specter.offload.instruments import NO_INSTRUMENTS, Instruments
 from specter.offload.runtime import Runtime
 from specter.predict.oracle import load_columns, oracle_bytes
 from specter.predict.planner import PrefetchPlanner
@@ -49,9 +53,23 @@ class Generation:
 
 
 class Method:
-    """Base class: a named decoding method over one loaded model."""
+    """Base class: a named decoding method over one loaded model.
 
-    name = "base"
+    What a built method exposes, on every method (None or empty where it has none): `rt`, its offloading
+    runtime; `engine`, its speculative engine, and `batch_engines`, a batch's microbatch engines (built by
+    `make_engine`); `route_log`, the target's routes of its last generation; `K`, its draft length;
+    `draft_moe` and `draft_model`, a separate draft instance's MoE runtime and model (SpecMoEOff).
+    """
+
+    name = "base"  # the method's registry name (specter/harness/runners.py), where its facts are declared
+    rt: Runtime | None = None
+    engine: SpeculativeEngine | None = None
+    batch_engines: list[SpeculativeEngine] | tuple = ()
+    route_log: RouteLog | None = None
+    K: int | None = None
+    draft_moe: Any = None
+    draft_model: torch.nn.Module | None = None
+    instruments: Instruments = NO_INSTRUMENTS  # what it is measured by (`instrument`); none: its own link and clocks
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         self.cfg = cfg
@@ -60,9 +78,38 @@ class Method:
         self.device, self.dtype = self.spec.torch_device, self.spec.torch_dtype
         self.params = self.spec.sampling
 
+    @property
+    def facts(self) -> MethodFacts:
+        """What this method is, as its registry line declares it (a class outside the registry: no facts set)."""
+        return method_facts(self.name) or MethodFacts(f"{type(self).__module__}:{type(self).__qualname__}")
+
     def make_spec(self, cfg: DictConfig) -> MethodSpec:
         """This method's spec: the config's, with the method's own fields (a baseline replaces some)."""
         return method_spec(cfg)
+
+    def make_engine(self, params: SamplingParams | None = None) -> SpeculativeEngine:
+        """A new speculative engine over this method's runtime (only a method with `engine` has one)."""
+        raise TypeError(f"{type(self).__name__} has no speculative engine")
+
+    def instrument(self, instruments: Instruments) -> None:
+        """Measure this method by ``instruments`` from now on: its runtime gets their link and meter
+        (`Runtime.instrumented`), and every engine it has built or builds their clocks. Called by
+        `build_method(..., instruments=)`, or on a built method before it decodes (the projection, once
+        it knows the method's layers)."""
+        self.instruments = instruments
+        if self.rt is not None:
+            self.rt = self.rt.instrumented(instruments)
+        for engine in [self.engine, *self.batch_engines]:
+            if engine is not None:
+                engine.instrument(self.rt, instruments)
+
+    def footprint_at(self, B: int) -> Footprint | None:
+        """The method's device footprint at batch size B (None: no budget applies): its runtime's at B=1 with
+        KV cache and scratch per request. A method whose other state grows with B too overrides this."""
+        if self.rt is None:
+            return None
+        fp = self.rt.footprint
+        return replace(fp, kv_cache=B * fp.kv_cache, scratch=B * fp.scratch)
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator) -> Generation:
         raise NotImplementedError
@@ -85,7 +132,7 @@ class Method:
 
     def final_spec(self) -> MethodSpec:
         """The spec as built: cache sizes a method derives once its model is loaded filled in."""
-        rt = getattr(self, "rt", None)
+        rt = self.rt
         return self.spec if rt is None else replace(self.spec, resident=rt.resident, staging=rt.cache.staging)
 
     def environment(self) -> dict[str, Any]:
@@ -102,8 +149,9 @@ class Method:
         pass
 
 
-def build_method(cfg: DictConfig, checkpoint: Path) -> Method:
-    """Instantiate the known method class named by `method.runner` ("package.module:Class")."""
+def build_method(cfg: DictConfig, checkpoint: Path, instruments: Instruments | None = None) -> Method:
+    """Instantiate the known method class named by `method.runner` ("package.module:Class"), measured by
+    ``instruments`` when given (`Method.instrument`)."""
     runner = cfg.method.get("runner")
     problem = runner_problem(cfg.method.name, runner)
     if problem:
@@ -115,7 +163,14 @@ def build_method(cfg: DictConfig, checkpoint: Path) -> Method:
         raise ConfigError(f"method {cfg.method.name!r}: cannot load runner {runner} ({err})") from None
     if not (isinstance(factory, type) and issubclass(factory, Method)):
         raise ConfigError(f"method {cfg.method.name!r}: runner {runner} is not a Method class")
-    return factory(cfg, checkpoint)
+    method = factory(cfg, checkpoint)
+    if instruments is not None and not instruments.empty:
+        try:
+            method.instrument(instruments)
+        except BaseException:
+            method.close()
+            raise
+    return method
 
 
 class TargetOnly(Method):
@@ -249,6 +304,11 @@ class Specter(Method):
         return final_runtime(rt, spec.resident, staging, draft=draft, draft_bytes=self.draft_bytes, what=spec.describe())
 
     @property
+    def route_log(self) -> RouteLog:
+        """The target's routes of the last generation: its engine's."""
+        return self.engine.route_log
+
+    @property
     def draft(self) -> dict:
         """MoE layer -> the INT4 draft experts the shared instance drafts with."""
         return self.rt.moe.draft.experts
@@ -270,7 +330,7 @@ class Specter(Method):
         return SpeculativeEngine(self.rt, s.K, s.sampling if params is None else params, prefetch=s.prefetch,
                                  planner_config=s.planner, planner_state=s.planner_state,
                                  expert_filter=self.expert_filter(), plan_cap=s.plan_cap, planner=self.planner(),
-                                 drafter=self.drafter(), trace_windows=s.trace_windows)
+                                 drafter=self.drafter(), trace_windows=s.trace_windows, instruments=self.instruments)
 
     def residency(self) -> str:
         """The expert cache's residency policy (`specter.offload.policy`): `method.residency`; a baseline
@@ -300,10 +360,15 @@ class Specter(Method):
         for engine in [self.engine, *self.batch_engines]:
             engine.mark_warm()
 
-    def generate_batch(self, prompts, max_new_tokens, generators):
-        if not self.batch_engines:  # one engine per microbatch, built at the first batch
+    def build_batch_engines(self) -> list[SpeculativeEngine]:
+        """One engine per microbatch, built at the first batch (or before it, e.g. before instruments are
+        handed in); the same ones after that."""
+        if not self.batch_engines:
             self.batch_engines = [self.make_engine() for _ in range(self.microbatches)]
-        run = generate_microbatched(self.batch_engines, prompts, max_new_tokens, generators)
+        return self.batch_engines
+
+    def generate_batch(self, prompts, max_new_tokens, generators):
+        run = generate_microbatched(self.build_batch_engines(), prompts, max_new_tokens, generators)
         if self.verify:
             for prompt, req in zip(prompts, run.requests):
                 req.stats["lossless_check"] = self._check_lossless(prompt, req.tokens)
@@ -348,8 +413,16 @@ class Specter(Method):
     def retime_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> LinkParams:
         params = super().retime_link(per_layer_step_s, latency_us, source)
         for engine in [self.engine, *self.batch_engines]:  # built over the runtime before: same link, old params
-            engine.rt = self.rt
+            engine.use_runtime(self.rt)
         return params
+
+    def set_draft_length(self, K: int) -> None:
+        """Decode at draft length K from now on: a new engine over the same runtime, draft and instruments
+        (what the builder would make at that K; building the method again costs seconds)."""
+        self.spec = replace(self.spec, K=K)
+        self.K = K
+        self.engine = self.make_engine()
+        self.batch_engines = []
 
     def static_fields(self) -> dict[str, Any]:
         return {"K": self.K, "draft_quant": self.quant, "schedule": self.rt.moe.target.schedule,

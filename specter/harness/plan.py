@@ -31,13 +31,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.config import ConfigError, effective_K, resident_experts, validate
+from specter.harness.runners import method_facts, method_names
 from specter.offload.budget import Footprint
 
 GB = 1e9
 A100_40GB = 40.0  # GB: the paper's GPU (the card has 40 GiB; 40e9 bytes leaves ~2.9 GB for the CUDA context)
-OFFLOADING = ("offload_ar", "mo_sc", "mo_sm", "specter", "moe_spec", "specmoeoff", "specmoeoff_artifact")
-ENGINES = ("transformers", "llamacpp", "vllm")
-METHODS = ("target_only", *OFFLOADING, *ENGINES)
 
 
 @dataclass
@@ -177,13 +175,13 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
                                float(m.get("staging_per_layer", STAGING_PER_LAYER)))
 
     # offload_ar / mo_sc: the tier's M slots, autoregressive, staging by the rule
-    for name in ("offload_ar", "mo_sc"):
+    for name in method_names(slots_rule="tier", speculative=False):
         for B in sizes:
             kv, scr = B * kv_tok * seq(0), scratch(0, B)
             add(name, B, M, staging(name, Footprint(f.non_expert_bytes, M * L * eb, 0, kv, scr), B), 0, kv, scr)
     # specter and moe_spec: shared-instance INT4 draft, K+1 window, staging by the rule
     K = effective_K(cfg)
-    for name in ("specter", "moe_spec"):
+    for name in method_names(slots_rule="tier", speculative=True):
         for B in sizes:
             base = Footprint(f.non_expert_bytes, M * L * eb, draft, B * kv_tok * seq(K), scratch(K, B))
             add(name, B, M, staging(name, base, B), draft, base.kv_cache, base.scratch, note=f"K={K}")
@@ -209,13 +207,13 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
             note=f"{source}; derived M'={derivation['resident']}")
     # specmoeoff (as designed: every slot that fits) and specmoeoff_artifact (the 12/2 preset, capped by the
     # fit): a separate draft (own non-expert copy, INT4 experts, KV, scratch), K= else method.K (profiles unread)
-    for name in ("specmoeoff", "specmoeoff_artifact"):
+    for name in method_names(slots_rule="fit") + method_names(slots_rule="preset"):
         so = method_defaults(name, cfg)
         K_so = int(cfg.K) if cfg.get("K") is not None else int(so.K)
         kv1, scr1 = kv_tok * seq(K_so), scratch(K_so, 1)
         fixed = f.non_expert_bytes + kv1 + scr1 + draft + f.non_expert_bytes + kv1 + scr1
         fit = min(E, (budget - fixed) // (L * eb))
-        if name == "specmoeoff":
+        if method_facts(name).slots_rule == "fit":
             M_so, how = max(1, fit), "every slot that fits"
         else:
             preset_so = max(1, min(E, round(int(so.residents[cfg.memory.name]) * E / real_expert_count(cfg))))

@@ -19,11 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from specter.harness.config import ConfigError, load_ratio_of
 from specter.harness.records import read_records
+from specter.harness.runners import is_method, method_names
 from specter.paths import atomic_write_text, write_table
 
-
-# methods a K sweep profiles; a method whose config has `k_range` sweeps that range
-PROFILED_METHODS = ("specter", "specmoeoff")
 
 
 def sweep_values(cfg: DictConfig) -> list[int]:
@@ -55,8 +53,9 @@ def other_method_in(root: Path, method: str) -> str | None:
 def profile_k(cfg: DictConfig) -> Path:
     from specter.harness.run import run
 
-    if cfg.method.name not in PROFILED_METHODS:
-        raise ConfigError(f"a K sweep profiles method={' or method='.join(PROFILED_METHODS)}, "
+    # the methods whose design tunes K (the registry's `tunes_k`); a method whose config has `k_range` sweeps it
+    if not is_method(cfg.method.name, tunes_k=True):
+        raise ConfigError(f"a K sweep profiles method={' or method='.join(method_names(tunes_k=True))}, "
                           f"not method={cfg.method.name}")
     root = Path(cfg.output_dir)
     other = other_method_in(root, cfg.method.name)

@@ -190,7 +190,7 @@ def replay_rows(cfg: DictConfig, cm, real: str, proxy: str, trained: bool, M: in
 def engine_rows(cfg: DictConfig, cm, px) -> tuple[list[dict], dict]:
     """Every method of `project.methods` built by the harness on the proxy and run on the virtual machine
     (`specter.projection.steps`); a profiled method twice: at its profiled K, then at its default K."""
-    from specter.projection.engine_run import SPECULATIVE
+    from specter.harness.runners import is_method
     from specter.projection.profile import profile_rows
     from specter.projection.steps import draft_name, engine_runs
 
@@ -200,28 +200,25 @@ def engine_rows(cfg: DictConfig, cm, px) -> tuple[list[dict], dict]:
     for name, source, r in runs:
         primary.setdefault(name, r)  # the first row of a method is its primary one (its timeline, its tokens)
         M, S = px.slots[name]
-        rows.append(engine_row(cfg, name, source, r, M, S, draft if name in SPECULATIVE else ""))
+        rows.append(engine_row(cfg, name, source, r, M, S, draft if is_method(name, speculative=True) else ""))
     base = {"model": px.real, "memory": str(cfg.memory.name), "device": cm.d.name, "draft": draft}
     profiles = [row for prof in profiled.values() for row in profile_rows(prof, base)]
     return rows, {"runs": primary, "profile_rows": profiles}
 
 
 def engine_row(cfg: DictConfig, name: str, k_source: str, r, M, S, draft: str) -> dict:
+    from specter.harness.runners import is_method, method_facts
     from specter.projection.engine_run import EXTRA_STATS
 
     p = cfg.project
+    cache = is_method(name, owns_cache=True)  # target_only: every expert on the device, no slots
     return {"method": name, "source": "engine", "tokens": str(int(p.prompts) * int(p.new_tokens)),
-            "resident": "" if M is None or name == "target_only" else str(M),
-            "staging": str(S) if name != "target_only" else "0", "residency": r.residency, "draft": draft,
+            "resident": "" if M is None or not cache else str(M),
+            "staging": str(S) if cache else "0", "residency": r.residency, "draft": draft,
             "K": "" if r.K is None else str(r.K), "k_source": k_source if r.K is not None else "",
             "tpot_ms": _fmt(r.tpot, 1e3), "loads_per_token": _fmt(r.loads_per_token),
             "copy_busy": _fmt(r.copy_busy), "acceptance": _fmt(r.acceptance),
-            **{k: _fmt(r.extra.get(k)) for k in EXTRA_STATS}, "note": NOTES[name]}
-
-
-NOTES = {"target_only": "every expert resident", "offload_ar": "LRU on demand", "mo_sc": "LRU + staging, same cache",
-         "mo_sm": "LRU, same memory", "specmoeoff": "separate draft, route-frequency prefetch",
-         "moe_spec": "Specter + verification expert budget", "specter": "shared INT4 draft, adaptive prefetch"}
+            **{k: _fmt(r.extra.get(k)) for k in EXTRA_STATS}, "note": method_facts(name).summary}
 
 
 def project_rows(cfg: DictConfig) -> tuple[list[dict[str, str]], dict]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specter.harness.config import ConfigError, effective_K
+from specter.harness.runners import is_method
 
 SLOT_SOURCES = ("real_plan", "budget")
 
@@ -74,7 +75,7 @@ def real_plan_config(cfg: DictConfig) -> DictConfig:
         plan.hardware = OmegaConf.merge(OmegaConf.structured(HardwareConfig), hardware_defaults("cuda"))
         # experiment=batch runs every size on one device layout: the plan's at the largest size
         plan.batch = {"sizes": [largest_batch(cfg)]}
-        if str(cfg.method.name) in ("specter", "moe_spec"):
+        if is_method(cfg.method.name, reads_specter_profile=True):
             plan.K = effective_K(cfg)  # the window this run verifies (a profiled K too): its KV and scratch
         plan.pop("k_profile", None)  # (SpecMoEOff reads its own K, as the plan does)
     return plan
@@ -85,10 +86,10 @@ def planned_slots(cfg: DictConfig) -> PlannedSlots | None:
     real one, `memory.slots=budget`, a user-sized tier, or a method the plan does not size)."""
     if not wants_real_plan(cfg):
         return None
-    from specter.harness.plan import OFFLOADING, plan_rows
+    from specter.harness.plan import plan_rows
 
     method = str(cfg.method.name)
-    if method not in OFFLOADING:
+    if not is_method(method, owns_cache=True):
         return None
     plan_cfg = real_plan_config(cfg)
     rows, facts = plan_rows(plan_cfg)

@@ -14,6 +14,7 @@ import torch
 from specter.offload.budget import Footprint, check_budget
 from specter.offload.cache import ExpertCache
 from specter.offload.calibrate import LinkParams, link_for_step
+from specter.offload.instruments import Instruments
 from specter.offload.link import TransferLink
 
 if TYPE_CHECKING:
@@ -49,6 +50,18 @@ class Runtime:
 
     def close(self) -> None:
         self.link.close()
+
+    def instrumented(self, instruments: Instruments) -> "Runtime":
+        """This runtime with `instruments` installed -> the runtime to decode through: their link replaces this
+        one's (closed; the cache loads through the new one) and the MoE runtime reports to their meter."""
+        rt = self
+        if instruments.link is not None:
+            self.link.close()
+            self.cache.link = instruments.link
+            rt = replace(self, link=instruments.link)
+        if instruments.meter is not None:
+            self.moe.meter = instruments.meter
+        return rt
 
     def recalibrate_link(self, per_layer_step_s: float, latency_us: float | None, source: str) -> "Runtime":
         """Re-time an emulated link calibrated from a ratio to a layer step measured later in the run

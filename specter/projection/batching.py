@@ -43,8 +43,8 @@ class BatchPoint:
 
 def prepare_batching(method) -> None:
     """The batch engines exist before the machine is attached, so `attach` puts them on the clock too."""
-    if hasattr(method, "make_engine") and not getattr(method, "batch_engines", None):
-        method.batch_engines = [method.make_engine() for _ in range(method.microbatches)]
+    if method.engine is not None:
+        method.build_batch_engines()
 
 
 def run_batches(session: Session, seed: int, prompts: list[torch.Tensor], sizes: list[int], new_tokens: int,

@@ -190,7 +190,7 @@ def install_draft(method, spec: DraftSpec) -> None:
     layers = draft_layers(rt, spec, batches, cache)  # calibration runs from the host store: never charged
     built = build_draft(rt.om, spec.algo, method.device, method.dtype, packed_layers=layers,
                         kernel=method.kernel_choice.selected)
-    runtimes = [rt.moe, getattr(method, "draft_moe", None)]  # the shared instance; a separate draft instance
+    runtimes = [rt.moe, method.draft_moe]  # the shared instance; a separate draft instance
     tables = {id(m.draft.experts): m.draft.experts for m in runtimes if m is not None and m.draft is not None}
     if not tables:
         raise TypeError(f"{type(method).__name__} has no INT4 draft experts to replace")

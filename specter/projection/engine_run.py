@@ -15,11 +15,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from specter.harness.runners import is_method, method_facts
 from specter.projection.cost_model import CostModel
 from specter.projection.virtual import VirtualMachine, attach
-
-METHODS = ("target_only", "offload_ar", "mo_sc", "mo_sm", "specmoeoff", "moe_spec", "specter")
-SPECULATIVE = ("specmoeoff", "moe_spec", "specter")
 
 
 @dataclass
@@ -48,18 +46,19 @@ def proxy_overrides(proxy: str, trained: bool, tier: str, method: str, slots: tu
                     K: int | None, quant: str, seed: int) -> list[str]:
     """The proxy's config for `method` at the real model's slot counts (resident, staging)."""
     M, S = slots
+    facts = method_facts(method)
     out = [f"model={proxy}", f"model.trained={str(trained).lower()}", f"method={method}", "hardware=cpu",
            f"memory={tier}", "temperature=0", "verify_lossless=false", f"seed={seed}"]
-    if method == "target_only":
+    if not facts.owns_cache:  # target_only: every expert on the device, no budget
         return out
     out += ["memory.budget_mb=1000000", f"method.staging_buffers={S}"]  # the real tier's slots, not the proxy's budget
-    if method == "mo_sm":
+    if facts.slots_rule == "same_memory":  # MO-SM sizes its own slots: the plan's count, given
         out.append(f"method.residents={M}")
     else:
         out.append(f"memory.resident_experts={M}")
-    if method in SPECULATIVE:
+    if facts.speculative:
         out.append(f"method.quant={quant}")
-    if method in ("specter", "moe_spec") and K is not None:
+    if facts.reads_specter_profile and K is not None:  # SpecMoEOff's K comes from its own method.K
         out.append(f"K={K}")
     return out
 
@@ -103,9 +102,8 @@ DECODE_STATS = ("loads_over_belady", "belady_loads_per_token")
 def decode_routes(method) -> list[dict[int, set[int]]]:
     """The target's routes of the record just decoded, one dict per window after the prefill: a speculative
     engine's verification passes, an autoregressive method's steps (route-log window 0 is the prefill)."""
-    engine = getattr(method, "engine", None)
-    recorder = getattr(engine, "recorder", None)
-    if recorder is not None:
+    if method.engine is not None:
+        recorder = method.engine.recorder
         return [recorder.route_log.windows[w] for w in recorder.verify_windows]
     return list(method.route_log.windows[1:])
 
@@ -143,7 +141,7 @@ def open_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prepare=None) 
     try:
         if prepare is not None:
             prepare(method)
-        rt = getattr(method, "rt", None)
+        rt = method.rt
         layers = list(rt.om.moe_layers) if rt is not None else _moe_layers(method.model)
         machine = VirtualMachine(cm, layers)
         return Session(method, machine, attach(method, machine))
@@ -155,18 +153,10 @@ def open_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prepare=None) 
 def set_K(session: Session, K: int) -> None:
     """The built method at draft length K: a new engine over the same runtime, draft and machine (what the
     builder would make at that K; building the method again per K of a profile costs seconds each)."""
-    from dataclasses import replace
-
-    from specter.projection.virtual import attach_engine
-
     method = session.method
-    if not hasattr(method, "make_engine"):
+    if method.engine is None:
         raise TypeError(f"{type(method).__name__} has no draft length to set")
-    method.spec = replace(method.spec, K=K)
-    method.K = K
-    method.engine = method.make_engine()
-    method.batch_engines = []
-    attach_engine(method.engine, method.rt, session.machine)
+    method.set_draft_length(K)  # the new engine takes the machine's instruments the method was handed
 
 
 def close(session: Session) -> None:
@@ -182,15 +172,15 @@ def measure(session: Session, name: str, seed: int, prompts: list[torch.Tensor],
     gen = torch.Generator().manual_seed(seed)
     method.reset()
     method.generate(prompts[0], warmup_tokens, gen)  # warm-up: the planner's estimates learn the clock
-    if hasattr(method, "warmed"):
-        method.warmed()
+    method.warmed()
     decode_s, steps, loads, busy = 0.0, 0, 0, 0.0
     drafted = accepted = 0
     tokens: list[list[int]] = []
     timeline: list = []
     extra: dict[str, list[float]] = {k: [] for k in EXTRA_STATS}
     bound = 0  # Σ over records: the Belady bound on the decode's real loads (`decode_bound`)
-    rt = getattr(method, "rt", None)
+    rt = method.rt
+    speculative = is_method(name, speculative=True)
     for i, prompt in enumerate(prompts):
         method.reset()
         machine.clock.sync()  # records do not overlap: the previous one's copies have landed
@@ -216,10 +206,9 @@ def measure(session: Session, name: str, seed: int, prompts: list[torch.Tensor],
                 extra[key].append(float(out.stats[key]))
         tokens.append(list(out.tokens))
         last_targets = len(ends)
-        if i == 0 and name in SPECULATIVE:
+        if i == 0 and speculative:
             timeline = one_window(machine, log0, timeline_window)
-    log = getattr(method, "route_log", None) or getattr(getattr(method, "engine", None), "route_log", None)
-    speculative = name in SPECULATIVE
+    log = method.route_log
     stats = {k: sum(v) / len(v) for k, v in extra.items() if v and k not in DECODE_STATS}
     if rt is not None and steps:
         stats["belady_loads_per_token"] = bound / steps
@@ -231,7 +220,7 @@ def measure(session: Session, name: str, seed: int, prompts: list[torch.Tensor],
         acceptance=accepted / drafted if speculative and drafted else None,
         resident=int(rt.resident) if rt is not None else None, staging=int(rt.cache.staging) if rt is not None else 0,
         tokens=tokens, timeline=timeline, route_windows=list(log.windows) if log is not None else [],
-        decode_forwards=last_targets, machine=machine, K=getattr(method, "K", None),
+        decode_forwards=last_targets, machine=machine, K=method.K,
         extra={k: v for k, v in stats.items() if v is not None},
         residency=str(rt.cache.residency) if rt is not None else "")
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from specter.harness.config import ConfigError
+from specter.harness.runners import method_facts, method_names
 
-PROJECTED = ("target_only", "offload_ar", "mo_sc", "mo_sm", "specmoeoff", "moe_spec", "specter")  # in-process methods
-PROFILABLE = ("specter", "specmoeoff")  # methods whose design tunes K (SpecMoEOff's optimizer tunes its draft length)
-BATCHED = ("specter", "specmoeoff", "moe_spec")  # methods with a batched loop on the virtual clock
+# Which methods each step takes, from the registry's facts (specter/harness/runners.py): the projected ones
+# (in-process, built by `build_method`), the profilable ones (their design tunes K: SpecMoEOff's optimizer tunes its
+# draft length) and the batched ones (a batched loop on the virtual clock).
 
 
 def int_list(value, key: str, least: int = 1) -> list[int]:
@@ -29,14 +30,16 @@ def check_project(cfg: DictConfig) -> None:
     from specter.projection.drafts import parse_draft
 
     p = cfg.project
-    unknown = [m for m in p.methods if m not in PROJECTED]
+    projected = method_names(projected=True)
+    unknown = [m for m in p.methods if m not in projected]
     if unknown:
-        raise ConfigError(f"project.methods: {unknown} are not in-process methods; choose from {list(PROJECTED)}")
+        raise ConfigError(f"project.methods: {unknown} are not in-process methods; choose from {list(projected)}")
     if str(p.quant) not in ("rtn", "gptq"):
         raise ConfigError(f"project.quant={p.quant!r} is not gptq (the paper's draft) or rtn")
     if int(p.prompts) < 1 or int(p.new_tokens) < 2:
         raise ConfigError("project.prompts must be >= 1 and project.new_tokens >= 2")
-    for key, allowed in (("profile", PROFILABLE), ("batch_methods", BATCHED), ("alpha_methods", BATCHED)):
+    profilable, batched = method_names(projected=True, tunes_k=True), method_names(batched_projection=True)
+    for key, allowed in (("profile", profilable), ("batch_methods", batched), ("alpha_methods", batched)):
         bad = [m for m in p[key] if m not in allowed]
         if bad:
             raise ConfigError(f"project.{key}: {bad} not one of {list(allowed)}")
@@ -119,7 +122,7 @@ class Proxy:
 def k_values(px: Proxy, method: str) -> list[int]:
     """The K set a method's profile sweeps: project.k_values for Specter (the paper's sweep), SpecMoEOff's own
     method.k_range (its design's search range)."""
-    if method == "specmoeoff":
+    if method_facts(method).own_k_profile:
         return int_list(px.config(method).method.k_range, "method.k_range")
     return int_list(px.cfg.project.k_values, "project.k_values")
 
@@ -151,7 +154,8 @@ def k_variants(name: str, profiled: dict) -> list[tuple[str, int | None]]:
     """(k_source, K) per row of a method. K None is the method's default: the paper's K for Specter and MoE-Spec,
     the paper artifact's K = 3 for SpecMoEOff. A profiled method's profiled row comes first; MoE-Spec reads
     Specter's profile, as on the CPU."""
-    if name == "moe_spec":
+    facts = method_facts(name)
+    if facts.reads_specter_profile and not facts.tunes_k:  # MoE-Spec: Specter's K
         return [("profiled", profiled["specter"].best)] if "specter" in profiled else [("paper", None)]
     if name in profiled:
         return [("profiled", profiled[name].best), ("paper", None)]
@@ -162,7 +166,8 @@ def engine_runs(px: Proxy, cm) -> tuple[list[tuple[str, str, object]], dict]:
     """(method, k_source, Projected) per row, and the profiles."""
     p = px.cfg.project
     methods = list(p.methods)
-    profiled = profiles(px, cm, [m for m in PROFILABLE if m in methods and m in p.profile])
+    profilable = method_names(projected=True, tunes_k=True)
+    profiled = profiles(px, cm, [m for m in profilable if m in methods and m in p.profile])
     out = []
     for name in methods:
         for source, k in k_variants(name, profiled):
@@ -170,7 +175,7 @@ def engine_runs(px: Proxy, cm) -> tuple[list[tuple[str, str, object]], dict]:
             tpot = "-" if r.tpot is None else f"{r.tpot * 1e3:.2f}"
             print(f"  {name}{'' if r.K is None else f' (K={r.K}, {source})'}: {tpot} ms/token projected", flush=True)
             M, S = px.slots[name]
-            if name != "target_only" and (r.resident, r.staging) != (M, S):
+            if method_facts(name).owns_cache and (r.resident, r.staging) != (M, S):
                 raise RuntimeError(f"{name}: the proxy ran with M={r.resident} + {r.staging} staging buffers, the "
                                    f"real model's plan says M={M} + {S}")
             out.append((name, source if r.K is not None else "", r))

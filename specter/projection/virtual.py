@@ -27,12 +27,13 @@ now. Copies happen synchronously (the data is right); nothing sleeps.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from specter.metrics import CommitClock
+from specter.offload.instruments import Instruments
 from specter.offload.link import Ticket, TransferLink
 from specter.projection.clock import Event, VirtualClock
 from specter.projection.cost_model import CostModel
@@ -210,14 +211,11 @@ class VirtualCommitClock(CommitClock):
 
 # -- attaching a built method --------------------------------------------------------------------
 
-def attach_engine(engine, rt, machine: VirtualMachine) -> None:
-    """One speculative engine on the machine: the virtual runtime, its link's busy seconds, the planner's
-    step clock and its requests' commit clocks. Engines built after `attach` (a batch's) need this too."""
-    engine.rt = rt
-    engine.recorder.link = rt.link
-    engine.recorder.begin_run()
-    engine.step_clock = lambda: machine.now
-    engine.commit_clock = lambda: VirtualCommitClock(machine)
+def instruments_of(machine: VirtualMachine) -> Instruments:
+    """What a method on the machine is measured by: a `VirtualLink` (its copies on the copy stream), the machine
+    as the MoE runtimes' meter, the machine's time as the planner's step clock and commits stamped on it."""
+    return Instruments(link=VirtualLink(machine), meter=machine, step_clock=lambda: machine.now,
+                       commit_clock=lambda: VirtualCommitClock(machine))
 
 
 def _lm_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -238,13 +236,14 @@ def _head_hook(machine: VirtualMachine, moe, kind: str | None):
 
 
 def attach(method, machine: VirtualMachine) -> list:
-    """Make a method built by `build_method` run on the machine: its link becomes a `VirtualLink`, its
-    MoE runtimes report to the meter, its lm_heads end forwards, its planner reads the clock.
-    Returns the hook handles (remove them to detach the hooks)."""
+    """Make a method built by `build_method` run on the machine: the method is handed the machine's instruments
+    (`instruments_of`: its link becomes a `VirtualLink`, its MoE runtimes report to the meter, its planner reads the
+    clock; `Method.instrument`), and hooks on its lm_heads end forwards. Returns the hook handles (remove them to
+    detach the hooks)."""
     from specter.models.arch import moe_blocks
 
     handles = []
-    rt = getattr(method, "rt", None)
+    rt = method.rt
     if rt is None:  # target_only: every expert resident, transformers' own MoE blocks
         model = method.model
         for layer, block in moe_blocks(model).items():
@@ -256,17 +255,9 @@ def attach(method, machine: VirtualMachine) -> list:
             handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(_lm_head(model).register_forward_hook(_head_hook(machine, None, "target")))
         return handles
-    link = VirtualLink(machine)
-    rt.link.close()
-    rt.cache.link = link
-    method.rt = replace(rt, link=link)
-    for engine in [getattr(method, "engine", None), *getattr(method, "batch_engines", [])]:
-        if engine is not None:
-            attach_engine(engine, method.rt, machine)
-    rt.moe.meter = machine
+    method.instrument(instruments_of(machine))
     handles.append(_lm_head(rt.model).register_forward_hook(_head_hook(machine, rt.moe, None)))
-    draft_moe, draft_model = getattr(method, "draft_moe", None), getattr(method, "draft_model", None)
-    if draft_moe is not None and draft_model is not None:  # a separate draft instance (SpecMoEOff)
-        draft_moe.meter = machine
+    draft_moe, draft_model = method.draft_moe, method.draft_model
+    if draft_moe is not None and draft_model is not None:  # a separate draft instance (SpecMoEOff): metered too
         handles.append(_lm_head(draft_model).register_forward_hook(_head_hook(machine, draft_moe, "draft")))
     return handles

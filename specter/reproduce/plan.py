@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from specter.harness.runners import is_method
 from specter.harness.schema import SpecterMethodConfig
 from specter.reproduce.datasets import DatasetDecision, dataset_overrides
 from specter.reproduce.protocol import protocol
@@ -75,14 +76,12 @@ class Plan:
         return [s.name for s in self.steps]
 
 
-# methods that run with the tier's profiled K: Specter, and MoE-Spec (verification-time budgeting on Specter)
-PROFILED = ("specter", "moe_spec")
-# methods that profile their own K (experiment=k_sweep method=<m>, over their method.k_range)
-OWN_PROFILE = ("specmoeoff",)
-# engines that run in a process of their own (a server): they cannot share a cell's process
-OUT_OF_PROCESS = ("vllm",)
-# methods that own an expert cache: staging buffers by one rule, ablated together (method.staging_buffers=0)
-CACHE_OWNING = ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "specter", "moe_spec")
+# Method groups are the registry's facts (specter/harness/runners.py), asked when a plan is built:
+#  reads_specter_profile: runs with the tier's profiled K (Specter, and MoE-Spec: verification-time budgeting on Specter)
+#  own_k_profile: profiles its own K (experiment=k_sweep method=<m>, over its method.k_range)
+#  out_of_process: an engine in a process of its own (a server): it cannot share a cell's process
+#  owns_cache: an expert cache, staging buffers by one rule, ablated together (method.staging_buffers=0); a preset
+#  of another method's design (preset_of) is ablated as that design
 
 
 def primary(ready: tuple[str, ...]) -> str:
@@ -97,14 +96,14 @@ def is_tiny(model: str) -> bool:
 
 def _k_profile(s: Settings, model: str, tier: str, method: str = "specter") -> Path:
     """The K profile a run of `model` at `tier` uses: Specter's (also MoE-Spec's), or the own profile of a
-    method in OWN_PROFILE (QUICK and REFERENCE sweep the low tier only)."""
-    own = "" if method in PROFILED else f"-{method}"
+    method with a profile of its own (QUICK and REFERENCE sweep the low tier only)."""
+    own = "" if is_method(method, reads_specter_profile=True) else f"-{method}"
     return s.results / "k_sweep" / f"{model}-{'low' if s.quick else tier}-{s.hardware}{own}" / "k_profile.json"
 
 
 def _profile_args(s: Settings, model: str, tier: str, method: str) -> list[str]:
     """`k_profile=` for a method that reads a K profile, else nothing."""
-    return [f"k_profile={_k_profile(s, model, tier, method)}"] if method in PROFILED + OWN_PROFILE else []
+    return [f"k_profile={_k_profile(s, model, tier, method)}"] if is_method(method, reads_k_profile=True) else []
 
 
 def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
@@ -148,7 +147,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
 
     def sweep_of(model: str, tier: str, method: str = "specter") -> tuple[str, ...]:
         tier = "low" if s.quick else tier
-        name = sweeps.get((model, tier)) if method in PROFILED else own_sweeps.get((model, tier, method))
+        name = sweeps.get((model, tier)) if is_method(method, reads_specter_profile=True) else own_sweeps.get((model, tier, method))
         return (name,) if name else ()
 
     if not s.launcher:
@@ -161,7 +160,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                          needs=needs(m), checks=(Check("k_sweep", out),),
                          records=n_ds * sweep.num_prompts * sweep.repeats * len(sweep.k_values),
                          units=len(sweep.k_values), model=m, method="specter").name
-                for method in (x for x in s.methods if x in OWN_PROFILE):  # its own K range, not the paper's set
+                for method in (x for x in s.methods if is_method(x, own_k_profile=True)):  # its own K range, not the paper's set
                     out = _k_profile(s, m, tier, method).parent
                     k_range = len((yaml.safe_load((repo / "conf" / "method" / f"{method}.yaml").read_text()) or {})
                                   .get("k_range") or ())
@@ -178,7 +177,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
             for tier in s.tiers:
                 # a tiny model's methods all fit one process: a cell; a real model's do not (each fills the tier's
                 # GPU budget), so each method keeps a step of its own there
-                inside = [x for x in s.methods if x not in OUT_OF_PROCESS] if is_tiny(m) else []
+                inside = [x for x in s.methods if not is_method(x, out_of_process=True)] if is_tiny(m) else []
                 _cell_step(plan, s, m, tier, inside, ds, assets, trained_opt(m), quick_over(main, "main"), main,
                            data, needs=lambda *more, m=m: needs(m, *more),
                            sweeps={x: sweep_of(m, tier, x) for x in inside})
@@ -195,7 +194,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
         # REFERENCE: the first model's low tier)
         for m in s.models[:1] if s.quick else s.models:
             for tier in ("low",) if s.quick else s.tiers:
-                for method in (x for x in s.methods if x in CACHE_OWNING):
+                for method in (x for x in s.methods if is_method(x, owns_cache=True, preset_of=None)):
                     extra, more = _profile_args(s, m, tier, method), sweep_of(m, tier, method)
                     out = s.results / "ablation" / "staging0" / f"{m}-{method}-{tier}"
                     plan.add("ablation", f"ablation-staging0-{m}-{tier}-{method}",
@@ -219,7 +218,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
                 if method not in s.methods:
                     continue
                 extra, more = [], ()
-                if method in ("specter",) + OWN_PROFILE:
+                if is_method(method, tunes_k=True):
                     extra, more = _profile_args(s, m, "high", method), sweep_of(m, "high", method)
                 hw = s.method_hardware(method)
                 out = s.results / "batch" / f"{m}-{method}-high-{hw}"
@@ -292,12 +291,12 @@ def _cell_step(plan: Plan, s: Settings, model: str, tier: str, inside: list[str]
                sweeps: dict[str, tuple[str, ...]]) -> None:
     """One main-grid cell (model x tier): the methods `inside` in one experiment=cell step, measured
     interleaved record by record in one process (specter/harness/cell.py). Specter and MoE-Spec read
-    Specter's K profile (k_profile=), a method in OWN_PROFILE its own (cell.k_profiles)."""
+    Specter's K profile (k_profile=), a method with a profile of its own reads that (cell.k_profiles)."""
     if not inside:
         return
-    profiled = [m for m in inside if m in PROFILED]
+    profiled = [m for m in inside if is_method(m, reads_specter_profile=True)]
     extra = [f"k_profile={_k_profile(s, model, tier)}"] if profiled else []
-    extra += [f"+cell.k_profiles.{m}={_k_profile(s, model, tier, m)}" for m in inside if m in OWN_PROFILE]
+    extra += [f"+cell.k_profiles.{m}={_k_profile(s, model, tier, m)}" for m in inside if is_method(m, own_k_profile=True)]
     other_hw = {m: s.method_hardware(m) for m in inside if s.method_hardware(m) != s.hardware}
     hw = [f"+cell.hardware.{m}={h}" for m, h in other_hw.items()]  # a typed dict takes new keys with +
     out = s.results / "main" / f"{model}-{{method}}-{tier}"
@@ -318,8 +317,8 @@ def _multirun_grid(plan: Plan, s: Settings, ds: list[str], assets: list[str], tr
     sweep, main = protocol("k_sweep", s.quick, sizes=s.sizes), protocol("main", s.quick, sizes=s.sizes)
     over = (lambda p, e: p.overrides(e)) if s.quick else (lambda p, e: [])
     profile_tier = "low" if s.quick else "${memory.name}"
-    profiled = [m for m in s.methods if m in PROFILED]
-    others = [m for m in s.methods if m not in (*PROFILED, "target_only")]
+    profiled = [m for m in s.methods if is_method(m, reads_specter_profile=True)]
+    others = [m for m in s.methods if m not in (*profiled, "target_only")]
     sweeps: dict[tuple[str, str], str] = {}
     for group, models in (("tiny", [m for m in s.models if is_tiny(m)]), ("real", [m for m in s.models
                                                                                   if not is_tiny(m)])):

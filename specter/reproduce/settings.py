@@ -8,14 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specter.harness.runners import is_method
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS = ("tiny_dsv2", "tiny_qwen", "tiny_phi")
 DEFAULT_BATCH_METHODS = ("specter", "mo_sm", "specmoeoff", "transformers")
 HARDWARE_KINDS = ("emulated", "cpu", "cuda")
 LAUNCHERS = ("", "slurm", "local")
-# methods that place every weight themselves (no offloading through our link): plain CPU when the
-# others use the emulated link
-SELF_PLACING = ("target_only", "transformers", "llamacpp", "vllm")
 
 
 class SettingsError(ValueError):
@@ -87,7 +86,9 @@ class Settings:
         return self.assets or os.environ.get("SPECTER_ASSETS", "assets")
 
     def method_hardware(self, method: str) -> str:
-        return "cpu" if self.hardware == "emulated" and method in SELF_PLACING else self.hardware
+        # a method that places every weight itself (no offloading through our link: the registry's places_itself)
+        # runs on plain CPU when the others use the emulated link
+        return "cpu" if self.hardware == "emulated" and is_method(method, places_itself=True) else self.hardware
 
 
 def read_settings(env: Mapping[str, str] | None = None, repo: Path = REPO) -> Settings:

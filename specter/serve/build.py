@@ -77,7 +77,7 @@ def largest_fitting_batch(method: Any, cap: int = MAX_BATCH) -> int:
     refuses larger ones with the same number), at most ``cap``; ``cap`` where no budget applies."""
     from specter.harness.batch import footprint_at, largest_batch
 
-    rt = getattr(method, "rt", None)
+    rt = method.rt
     one = footprint_at(method, 1)
     if rt is None or one is None:
         return cap

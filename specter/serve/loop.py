@@ -51,7 +51,7 @@ def batch_loop(method: Any, params: SamplingParams) -> BatchLoop:
     methods built on it), batched autoregressive decoding for target_only and offload_ar."""
     from specter.harness.methods import OffloadAR, TargetOnly
 
-    if hasattr(method, "make_engine"):
+    if method.engine is not None:
         return method.make_engine(params)  # the spec's engine; the request's own sampling replaces the spec's
     if isinstance(method, OffloadAR):
         rt = method.rt

@@ -33,6 +33,7 @@ import torch
 
 from specter.metrics import CommitClock, io_stats, window_routing
 from specter.moe import ExpertFilter, RouteLog
+from specter.offload.instruments import Instruments
 from specter.offload.runtime import Runtime
 from specter.offload.store import ExpertUID
 from specter.predict.elb import ExpertLoadBuffer
@@ -339,49 +340,82 @@ class SpeculativeEngine(BatchLoop):
     """
 
     # The time source the planner's draft-step estimate is read from (seconds); None: the host's clock
-    # (CUDA events on a GPU). A modelled device sets its own (specter/projection/virtual.py).
+    # (CUDA events on a GPU). A modelled device hands in its own (`Instruments`, specter/projection/virtual.py).
     step_clock: Callable[[], float] | None = None
 
     def __init__(self, rt: Runtime, K: int, params: SamplingParams, prefetch: str = "adaptive",
                  planner_config: PlannerConfig | None = None, planner_state: PlannerState = "warm",
                  expert_filter: ExpertFilter | None = None, plan_cap: int | None = None,
                  planner: PrefetchPlanner | None = None, drafter: SharedDrafter | None = None, max_holes: int = 0,
-                 trace_windows: bool = False):
+                 trace_windows: bool = False, instruments: Instruments | None = None):
         """``planner`` (a policy object) replaces the named ``prefetch`` policy; ``drafter`` replaces the
         shared-instance INT4 draft; ``expert_filter`` applies to verification passes only;
-        ``trace_windows`` records a `WindowTracer` per run (host-timed links)."""
+        ``trace_windows`` records a `WindowTracer` per run (host-timed links); ``instruments``: the clocks a
+        modelled device hands in (``rt`` already carries their link and meter: `Runtime.instrumented`)."""
         settings = WindowSettings(K, params, expert_filter, max_holes)
         if planner is None and prefetch not in POLICIES:
             raise ValueError(f"unknown prefetch policy {prefetch!r}; choose one of {POLICIES}")
-        self.rt, self.settings = rt, settings
+        self.settings = settings
+        # the settings' values, read everywhere: the most draft tokens per request and window; sampling (drafts,
+        # verification, next tokens); the filter of verification passes; rejected KV columns kept masked
+        self.K, self.params, self.expert_filter, self.max_holes = K, params, expert_filter, max_holes
+        self._bind(rt)
         self.memory = PlannerMemory(planner or make_policy(prefetch, K, rt.om.store.nbytes_per_expert, planner_config),
                                     planner_state)
+        self.planner, self.planner_state = self.memory.planner, self.memory.state
+        self.prefetch = self.planner.name  # the prefetch policy's name
         self.drafter = drafter or SharedDrafter(rt.moe)
         capacity = {layer: rt.cache.capacity(layer) for layer in self.layers}  # M per layer
         # experts a window's plan keeps per layer; a verifier that computes at most `plan_cap` experts per
         # layer (MoE-Spec's budget) caps it, so the planner predicts no more than verification can use
         self.plan_capacity = plan_capacity(capacity, getattr(rt.cache, "staging", 0), plan_cap)
         self.prefetcher = window_prefetch(self.planner.name, self.layers, rt.om.num_experts, self.device)
+        self.elb = self.prefetcher.elb
         self.recorder = WindowRecorder(rt.link, self.layers, trace_windows)
+        self._use_clocks(instruments)
         self.begin_run()
 
+    def _bind(self, rt: Runtime) -> None:
+        """Decode through ``rt``: its model (batched rows run transformers' modules), device, cache and MoE layers."""
+        self.rt, self.model, self.cache, self.layers = rt, rt.model, rt.cache, rt.om.moe_layers
+        self.device = next(rt.model.parameters()).device
+
+    def _use_clocks(self, instruments: Instruments | None) -> None:
+        if instruments is not None and instruments.step_clock is not None:
+            self.step_clock = instruments.step_clock
+        if instruments is not None and instruments.commit_clock is not None:
+            self.commit_clock = instruments.commit_clock
+
+    def use_runtime(self, rt: Runtime) -> None:
+        """Decode through ``rt`` from now on: the same model, cache and link as the one built over, with other
+        parameters (`Runtime.recalibrate_link`)."""
+        self._bind(rt)
+
+    def instrument(self, rt: Runtime, instruments: Instruments) -> None:
+        """An engine built before its method was instrumented: decode through the instrumented runtime ``rt``,
+        its link timing the windows' copies, and read ``instruments``' clocks; a fresh run."""
+        self._bind(rt)
+        self.recorder.link = rt.link
+        self.recorder.begin_run()
+        self._use_clocks(instruments)
+
     # ------------------------------------------------------------------------------ views
-    K = property(lambda self: self.settings.K, doc="the most draft tokens per request and window")
-    params = property(lambda self: self.settings.params, doc="sampling: drafts, verification, next tokens")
-    expert_filter = property(lambda self: self.settings.expert_filter, doc="verification passes only")
-    max_holes = property(lambda self: self.settings.max_holes)
-    model = property(lambda self: self.rt.model, doc="batched rows run transformers' modules")
-    device = property(lambda self: next(self.rt.model.parameters()).device)
-    cache = property(lambda self: self.rt.cache)
-    layers = property(lambda self: self.rt.om.moe_layers)
-    planner = property(lambda self: self.memory.planner)
-    prefetch = property(lambda self: self.planner.name, doc="the prefetch policy's name")
-    planner_state = property(lambda self: self.memory.state)
-    elb = property(lambda self: self.prefetcher.elb)
-    trace = property(lambda self: self.recorder.trace)
-    route_log = property(lambda self: self.recorder.route_log)
-    tracer = property(lambda self: self.recorder.tracer)
-    iterations = property(lambda self: self.recorder.iterations)
+    # the recorder's per-run state (begin_run starts it afresh)
+    @property
+    def trace(self):
+        return self.recorder.trace
+
+    @property
+    def route_log(self) -> RouteLog:
+        return self.recorder.route_log
+
+    @property
+    def tracer(self):
+        return self.recorder.tracer
+
+    @property
+    def iterations(self):
+        return self.recorder.iterations
 
     # ------------------------------------------------------------------------------ state
     def mark_warm(self) -> None:
