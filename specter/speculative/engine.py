@@ -355,30 +355,18 @@ class SpeculativeEngine(BatchLoop):
         settings = WindowSettings(K, params, expert_filter, max_holes)
         if planner is None and prefetch not in POLICIES:
             raise ValueError(f"unknown prefetch policy {prefetch!r}; choose one of {POLICIES}")
-        self.settings = settings
-        # the settings' values, read everywhere: the most draft tokens per request and window; sampling (drafts,
-        # verification, next tokens); the filter of verification passes; rejected KV columns kept masked
-        self.K, self.params, self.expert_filter, self.max_holes = K, params, expert_filter, max_holes
-        self._bind(rt)
+        self.rt, self.settings = rt, settings
         self.memory = PlannerMemory(planner or make_policy(prefetch, K, rt.om.store.nbytes_per_expert, planner_config),
                                     planner_state)
-        self.planner, self.planner_state = self.memory.planner, self.memory.state
-        self.prefetch = self.planner.name  # the prefetch policy's name
         self.drafter = drafter or SharedDrafter(rt.moe)
         capacity = {layer: rt.cache.capacity(layer) for layer in self.layers}  # M per layer
         # experts a window's plan keeps per layer; a verifier that computes at most `plan_cap` experts per
         # layer (MoE-Spec's budget) caps it, so the planner predicts no more than verification can use
         self.plan_capacity = plan_capacity(capacity, getattr(rt.cache, "staging", 0), plan_cap)
         self.prefetcher = window_prefetch(self.planner.name, self.layers, rt.om.num_experts, self.device)
-        self.elb = self.prefetcher.elb
         self.recorder = WindowRecorder(rt.link, self.layers, trace_windows)
         self._use_clocks(instruments)
         self.begin_run()
-
-    def _bind(self, rt: Runtime) -> None:
-        """Decode through ``rt``: its model (batched rows run transformers' modules), device, cache and MoE layers."""
-        self.rt, self.model, self.cache, self.layers = rt, rt.model, rt.cache, rt.om.moe_layers
-        self.device = next(rt.model.parameters()).device
 
     def _use_clocks(self, instruments: Instruments | None) -> None:
         if instruments is not None and instruments.step_clock is not None:
@@ -389,33 +377,33 @@ class SpeculativeEngine(BatchLoop):
     def use_runtime(self, rt: Runtime) -> None:
         """Decode through ``rt`` from now on: the same model, cache and link as the one built over, with other
         parameters (`Runtime.recalibrate_link`)."""
-        self._bind(rt)
+        self.rt = rt
 
     def instrument(self, rt: Runtime, instruments: Instruments) -> None:
         """An engine built before its method was instrumented: decode through the instrumented runtime ``rt``,
         its link timing the windows' copies, and read ``instruments``' clocks; a fresh run."""
-        self._bind(rt)
+        self.rt = rt
         self.recorder.link = rt.link
         self.recorder.begin_run()
         self._use_clocks(instruments)
 
     # ------------------------------------------------------------------------------ views
-    # the recorder's per-run state (begin_run starts it afresh)
-    @property
-    def trace(self):
-        return self.recorder.trace
-
-    @property
-    def route_log(self) -> RouteLog:
-        return self.recorder.route_log
-
-    @property
-    def tracer(self):
-        return self.recorder.tracer
-
-    @property
-    def iterations(self):
-        return self.recorder.iterations
+    K = property(lambda self: self.settings.K, doc="the most draft tokens per request and window")
+    params = property(lambda self: self.settings.params, doc="sampling: drafts, verification, next tokens")
+    expert_filter = property(lambda self: self.settings.expert_filter, doc="verification passes only")
+    max_holes = property(lambda self: self.settings.max_holes)
+    model = property(lambda self: self.rt.model, doc="batched rows run transformers' modules")
+    device = property(lambda self: next(self.rt.model.parameters()).device)
+    cache = property(lambda self: self.rt.cache)
+    layers = property(lambda self: self.rt.om.moe_layers)
+    planner = property(lambda self: self.memory.planner)
+    prefetch = property(lambda self: self.planner.name, doc="the prefetch policy's name")
+    planner_state = property(lambda self: self.memory.state)
+    elb = property(lambda self: self.prefetcher.elb)
+    trace = property(lambda self: self.recorder.trace)
+    route_log = property(lambda self: self.recorder.route_log)
+    tracer = property(lambda self: self.recorder.tracer)
+    iterations = property(lambda self: self.recorder.iterations)
 
     # ------------------------------------------------------------------------------ state
     def mark_warm(self) -> None:
