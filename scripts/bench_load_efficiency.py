@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 import pandas as pd
@@ -56,32 +55,14 @@ def variant_configs(cfg, variants, out: Path, quant: str | None):
 
 
 def measure_cell(cfg, variants, out: Path, quant: str | None) -> list[tuple[str, Path]]:
-    """The cell's records, interleaved (specter.harness.cell.run_cell's loop over our variants)."""
-    from specter.harness.cell import rotation
-    from specter.harness.output import run_folder
-    from specter.harness.run import MethodSession, prepare, prompt_texts, provenance_of, record_keys
-    from specter.harness.summary import write_summary
+    """The cell's records, interleaved (specter.harness.cell's loop over our variants)."""
+    from specter.harness.cell import measure_interleaved
+    from specter.harness.run import prepare, record_keys
 
     subs = variant_configs(cfg, variants, out, quant)
     preps = [prepare(sub, sub.num_prompts) for sub in subs]
-    keys = record_keys(subs[0], preps[0])
-    with ExitStack() as stack:
-        sessions = []
-        for sub, prep in zip(subs, preps):
-            folder = stack.enter_context(run_folder(sub, provenance_of(prep.prompt_sets), prompts=prompt_texts(prep)))
-            sessions.append(MethodSession(sub, prep, folder))
-        for session in sessions:
-            stack.callback(session.close)
-        for session in sessions:
-            if session.todo:
-                session.start()
-        for n, key in enumerate(keys):
-            for slot, index in enumerate(rotation(len(sessions), n)):
-                if key in sessions[index].todo:
-                    sessions[index].measure(*key, slot=slot)
-        for session in sessions:
-            write_summary(session.out)
-        return [(name, s.out) for (name, _, _), s in zip(variants, sessions)]
+    folders = measure_interleaved(subs, preps, record_keys(subs[0], preps[0]), f"bench {cfg.model.name}")
+    return [(name, folder) for (name, _, _), folder in zip(variants, folders)]
 
 
 def table(model: str, tier: str, folders: list[tuple[str, Path]], expert_bytes: int) -> pd.DataFrame:

@@ -100,6 +100,14 @@ def run_cell(cfg: DictConfig) -> list[Path]:
         if record_keys(sub, prep) != keys or prompt_texts(prep) != prompt_texts(preps[0]):
             raise ConfigError(f"cell: method {m} would measure other records than {methods[0]} "
                               "(prompts, datasets or repeats differ); a cell pairs the same records")
+    folders = measure_interleaved(configs, preps, keys, f"cell {cfg.model.name}/{cfg.memory.name}")
+    _print_cell(cfg, folders)
+    return folders
+
+
+def measure_interleaved(configs: list[DictConfig], preps: list, keys: list, name: str) -> list[Path]:
+    """One run folder per config, every method built and warmed up first, then each record key measured once
+    per method in rotated order (`rotation`); finished records are kept. The folders, in config order."""
     with ExitStack() as stack:
         sessions = []
         for sub, prep in zip(configs, preps):
@@ -109,7 +117,7 @@ def run_cell(cfg: DictConfig) -> list[Path]:
             stack.callback(session.close)
         pending = [s for s in sessions if s.todo]
         if not pending:
-            print(f"cell {cfg.model.name}/{cfg.memory.name}: every record of every method is already finished; "
+            print(f"{name}: every record of every method is already finished; "
                   "nothing to run (records are never overwritten).")
         for session in pending:  # every method built and warmed up before the first timed record
             session.start()
@@ -120,9 +128,7 @@ def run_cell(cfg: DictConfig) -> list[Path]:
                     session.measure(*key, slot=slot)
         for session in sessions:
             write_summary(session.out)
-        folders = [s.out for s in sessions]
-    _print_cell(cfg, folders)
-    return folders
+        return [s.out for s in sessions]
 
 
 def _print_cell(cfg: DictConfig, folders: list[Path]) -> None:
