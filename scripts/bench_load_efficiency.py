@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     frames = []
     for model in args.models:
         for tier in args.memory:
-            cfg = compose(["experiment=cell", f"model={model}", f"memory={tier}", "hardware=emulated",
+            # the trained proxies, as the reference cells run them: an untrained model's draft is noise
+            cfg = compose(["experiment=cell", f"model={model}", "model.trained=true", f"memory={tier}", "hardware=emulated",
                            f"dataset={args.dataset}", f"num_prompts={args.num_prompts}", "repeats=1",
                            f"max_new_tokens={args.max_new_tokens}", f"warmup_tokens={args.warmup_tokens}",
                            "progress=false", *args.overrides])
