@@ -97,6 +97,17 @@ def table(model: str, tier: str, folders: list[tuple[str, Path]], expert_bytes: 
     return pd.DataFrame(rows)
 
 
+def cell_config(model: str, tier: str, args: argparse.Namespace):
+    """One cell's configuration: the trained proxy (as the reference cells run it: an untrained model's draft
+    is noise), the emulated link at the model's default ratio, the real model's slots."""
+    from specter.harness.compose import compose
+
+    return compose(["experiment=cell", f"model={model}", "model.trained=true", f"memory={tier}", "hardware=emulated",
+                    f"dataset={args.dataset}", f"num_prompts={args.num_prompts}", "repeats=1",
+                    f"max_new_tokens={args.max_new_tokens}", f"warmup_tokens={args.warmup_tokens}",
+                    "progress=false", *args.overrides])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,17 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every variant (e.g. model.load_ratio=4)")
     args = ap.parse_args(argv)
 
-    from specter.harness.compose import compose
-
     variants = [v for v in VARIANTS if v[0] in args.variants]
     frames = []
     for model in args.models:
         for tier in args.memory:
-            # the trained proxies, as the reference cells run them: an untrained model's draft is noise
-            cfg = compose(["experiment=cell", f"model={model}", "model.trained=true", f"memory={tier}", "hardware=emulated",
-                           f"dataset={args.dataset}", f"num_prompts={args.num_prompts}", "repeats=1",
-                           f"max_new_tokens={args.max_new_tokens}", f"warmup_tokens={args.warmup_tokens}",
-                           "progress=false", *args.overrides])
+            cfg = cell_config(model, tier, args)
             folders = measure_cell(cfg, variants, args.out / f"{model}-{tier}", args.quant)
             frames.append(table(model, tier, folders, _expert_bytes(cfg)))
             print(frames[-1].to_string(index=False, float_format=lambda v: f"{v:.3g}"), flush=True)

@@ -246,3 +246,23 @@ def test_window_policy_matches_a_slow_reference_of_the_rule():
                 got = _drive(make_residency_policy("window", capacity), random.Random(seed), 6, experts)
                 want = _drive(ReferencePolicy(capacity), random.Random(seed), 6, experts)
                 assert got == want, (capacity, experts, seed)
+
+
+def test_the_load_efficiency_benchmark_measures_the_trained_proxies_on_the_calibrated_link():
+    """scripts/bench_load_efficiency.py composes each cell on the trained proxy (an untrained model's draft is
+    noise) with the emulated link at the model's default, cost-model ratio and the real model's slots."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from specter.harness.config import load_ratio_of
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_load_efficiency.py"
+    spec = importlib.util.spec_from_file_location("bench_load_efficiency", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(dataset="gsm8k", num_prompts=1, max_new_tokens=8, warmup_tokens=0, overrides=[])
+    cfg = bench.cell_config("tiny_qwen", "high", args)
+    assert cfg.model.trained is True and cfg.hardware.link == "emulated"
+    assert load_ratio_of(cfg)[1].startswith("cost model")
+    assert str(cfg.memory.get("slots") or "real_plan") == "real_plan"
