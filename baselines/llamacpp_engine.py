@@ -40,7 +40,7 @@ from baselines.common import (
 from baselines.gguf_export import GGUF_TYPES, cached_gguf, iter_layers, not_comparable_reason, tensor_bytes
 from specter.harness.config import ConfigError
 from specter.harness.methods import Generation
-from specter.harness.runtime import budget_bytes
+from specter.harness.sizing import budget_bytes
 from specter.models.facts import read_config
 from specter.metrics import CommitClock
 

@@ -30,7 +30,7 @@ from baselines.common import (
     seed_of,
 )
 from specter.harness.methods import Generation
-from specter.harness.runtime import budget_bytes
+from specter.harness.sizing import budget_bytes
 from specter.metrics import CommitClock
 
 

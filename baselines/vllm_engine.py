@@ -41,7 +41,7 @@ from baselines.common import (
 )
 from specter.harness.config import ConfigError
 from specter.harness.methods import Generation
-from specter.harness.runtime import budget_bytes
+from specter.harness.sizing import budget_bytes
 from specter.metrics import CommitClock
 from specter.paths import safe_name, specter_home
 

@@ -323,7 +323,7 @@ def test_llamacpp_missing_engine_names_the_install_command(tiny_checkpoint, monk
 def test_vllm_offloads_the_weights_over_the_tier_budget(tiny_checkpoint):
     from baselines.common import checkpoint_bytes
     from baselines.vllm_engine import GIB, cpu_offload_gib
-    from specter.harness.runtime import budget_bytes
+    from specter.harness.sizing import budget_bytes
 
     assert cpu_offload_gib(10 * GIB, 4 * GIB) == 6 and cpu_offload_gib(3 * GIB, 4 * GIB) == 0
     full = checkpoint_bytes(tiny_checkpoint("tiny_qwen"), torch.float16)

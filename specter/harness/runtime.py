@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from specter.harness.config import ConfigError, bind_checkpoint, effective_K, load_ratio_of, resident_experts
 from specter.harness.load_ratio import probe_decoder
 from specter.harness.real_plan import planned_slots
-from specter.harness.sizing import GB, budget_bytes, budget_spec, scratch_bytes
+from specter.harness.sizing import budget_spec, scratch_bytes
 from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
 from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
 from specter.moe import DraftExecutor, MoERuntime, TargetExecutor
