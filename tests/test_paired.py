@@ -119,3 +119,21 @@ def test_printed_table_shows_the_paired_interval(capsys):
     row = t.set_index("method").loc["specter"]
     assert "paired ×" in out
     assert f"2.5 [{row.speedup_ci_low:.3g}–{row.speedup_ci_high:.3g}]" in out
+
+
+def test_printed_table_keeps_every_header_and_cell_whole(capsys):
+    """Sixteen columns must not fold a header over two lines or cut a cell to `…` (CI greps for 'TPOT ms')."""
+    from specter.harness.compare import _HEADERS, print_comparison
+
+    cols = ["records", "tpot_ms", "speedup_vs_offload_ar", "speedup_paired_median", "prompts", "acceptance_alpha",
+            "tokens_per_iteration", "h2d_mb_per_token", "h2d_over_oracle", "hit_rate",
+            "window_experts_vs_independent", "same_tokens_as_target_only", "load_ratio", "effective_load_ratio",
+            "load_ratio_off"]
+    t = pd.DataFrame([{"method": m, **{c: 123.456 for c in cols}, "speedup_ci_low": 1.0, "speedup_ci_high": 2.0,
+                       "ci_straddles_1": None} for m in ("target_only", "offload_ar", "moe_infinity_sm", "specter")])
+    print_comparison(t, title="tiny_dsv2 at memory=low, hardware=emulated (results/compare/x/compare.csv)")
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for col in cols:
+        assert _HEADERS.get(col, col.replace("_", " ")) in out, col
+    assert "moe_infinity_sm" in out and "123" in out

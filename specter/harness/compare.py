@@ -136,10 +136,13 @@ def print_comparison(table: pd.DataFrame, title: str) -> None:
     cols = [c for c in table.columns if c not in ("speedup_ci_low", "speedup_ci_high", "ci_straddles_1")]
     for col in cols:
         t.add_column(_HEADERS.get(col, col.replace("_", " ")), justify="left" if col == "method" else "right",
-                     no_wrap=col in ("method", "speedup_paired_median"))
+                     no_wrap=True)
     for _, row in table.iterrows():
         t.add_row(*[_fmt_paired(row) if c == "speedup_paired_median" else _fmt(row[c]) for c in cols])
-    Console(width=160).print(t)
+    # as wide as the table's natural width: a header folded over two lines ("TPOT" / "ms") or a cell cut
+    # to "recor…" is unreadable, and whoever greps the output (CI does, for "TPOT ms") misses it
+    natural = Console(width=1000).measure(t).maximum
+    Console(width=max(100, natural)).print(t)
 
 
 _HEADERS = {"tpot_ms": "TPOT ms", "speedup_vs_offload_ar": "× vs offload_ar",
