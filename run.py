@@ -9,7 +9,7 @@
     python run.py -m model=tiny_qwen,tiny_dsv2 ...    # a Hydra multirun (sweeps, launchers)
 
 Config groups live in conf/ (model, memory, dataset, method, hardware, experiment). Plain
-`key=value` runs go through `specter.harness.cli.main` (one-line errors, exit status 2); Hydra's
+`key=value` runs go through `specter.experiments.cli.main` (one-line errors, exit status 2); Hydra's
 own flags (`--help`, `--cfg`, `-m`, `hydra.*` overrides) go through Hydra's entry point.
 """
 
@@ -20,16 +20,16 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from specter.harness.schema import register_schemas
+from specter.assembly.schema import register_schemas
 
 register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
-    from specter.harness.config import check_composed
-    from specter.harness.errors import USER_ERRORS, disk_error, report
-    from specter.harness.experiments import run_experiment
+    from specter.assembly.config import check_composed
+    from specter.assembly.errors import USER_ERRORS, disk_error, report
+    from specter.experiments.dispatch import run_experiment
 
     try:
         check_composed(cfg)
@@ -67,7 +67,7 @@ def _hydra_location_override(argv: list[str]) -> str | None:
 def with_default_job(argv: list[str]) -> list[str]:
     """Hydra flags with no override (`--cfg job`, `-m`) act on the default job, as plain `python run.py`
     does; `--help`/`--hydra-help` describe conf/config.yaml itself."""
-    from specter.harness.compose import DEFAULT_JOB
+    from specter.assembly.compose import DEFAULT_JOB
 
     overrides = [a for a in argv if "=" in a or a.startswith(("~", "+"))]  # not flag values (`--cfg job`)
     if overrides or any(a in ("-h", "--help", "--hydra-help", "--info", "-i") for a in argv):
@@ -78,9 +78,10 @@ def with_default_job(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     if _needs_hydra(sys.argv[1:]):
         sys.argv[1:] = with_default_job(sys.argv[1:])
-        from specter.harness.cli import check_optional_groups, interrupted, terminate_as_interrupt
-        from specter.harness.config import ConfigError
-        from specter.harness.errors import report
+        from specter.assembly.compose import check_optional_groups
+        from specter.experiments.cli import interrupted, terminate_as_interrupt
+        from specter.assembly.config import ConfigError
+        from specter.assembly.errors import report
 
         try:  # Hydra's multirun skips a missing option of an optional group: refuse it first
             check_optional_groups([a for a in sys.argv[1:] if not a.startswith("-")])
@@ -98,6 +99,6 @@ if __name__ == "__main__":
         except KeyboardInterrupt as err:
             sys.exit(interrupted(err))
     else:
-        from specter.harness.cli import main
+        from specter.experiments.cli import main
 
         sys.exit(main(sys.argv[1:]))

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError
-from specter.harness.methods import Method
-from specter.harness.runtime import device_and_dtype
+from specter.assembly.config import ConfigError
+from specter.assembly.methods import Method
+from specter.assembly.runtime import device_and_dtype
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.sampling import SamplingParams
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specter.harness.config import ConfigError
+from specter.assembly.config import ConfigError
 
 GGUF_TYPES = ("f32", "f16")
 _MODEL_TYPES = {"qwen2_moe": "QWEN2MOE", "deepseek_v2": "DEEPSEEK2", "phimoe": "PHIMOE"}

@@ -38,9 +38,9 @@ from baselines.common import (
     seed_of,
 )
 from baselines.gguf_export import GGUF_TYPES, cached_gguf, iter_layers, not_comparable_reason, tensor_bytes
-from specter.harness.config import ConfigError
-from specter.harness.methods import Generation
-from specter.harness.sizing import budget_bytes
+from specter.assembly.config import ConfigError
+from specter.assembly.methods import Generation
+from specter.assembly.sizing import budget_bytes
 from specter.models.facts import read_config
 from specter.metrics import CommitClock
 

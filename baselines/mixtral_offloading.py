@@ -27,9 +27,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specter.harness.config import ConfigError, effective_K
-from specter.harness.methods import OffloadAR
-from specter.harness.runtime import final_runtime, scratch_bytes, staging_for
+from specter.assembly.config import ConfigError, effective_K
+from specter.assembly.methods import OffloadAR
+from specter.assembly.runtime import final_runtime, scratch_bytes, staging_for
 from specter.models.facts import matching_preset, read_facts
 from specter.offload.budget import Footprint, staging_buffers
 from specter.offload.runtime import Runtime

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError
-from specter.harness.methods import Specter
+from specter.assembly.config import ConfigError
+from specter.assembly.methods import Specter
 from specter.models.arch import moe_blocks
 from specter.spec import MethodSpec
 from specter.speculative.autoregressive import generate_autoregressive

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specter.harness.compose import CONF_DIR
-from specter.harness.config import ConfigError, profiled_k_of
-from specter.harness.methods import Specter
-from specter.harness.runtime import final_runtime, staging_for
+from specter.assembly.compose import CONF_DIR
+from specter.assembly.config import ConfigError, profiled_k_of
+from specter.assembly.methods import Specter
+from specter.assembly.runtime import final_runtime, staging_for
 from specter.models.loading import non_expert_bytes
 from specter.offload.budget import MB, BudgetError
 from specter.moe import DraftExecutor, MoERuntime, SpecterExperts

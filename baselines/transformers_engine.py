@@ -29,8 +29,8 @@ from baselines.common import (
     reference_check_enabled,
     seed_of,
 )
-from specter.harness.methods import Generation
-from specter.harness.sizing import budget_bytes
+from specter.assembly.methods import Generation
+from specter.assembly.sizing import budget_bytes
 from specter.metrics import CommitClock
 
 

@@ -39,9 +39,9 @@ from baselines.common import (
     reference_check_enabled,
     seed_of,
 )
-from specter.harness.config import ConfigError
-from specter.harness.methods import Generation
-from specter.harness.sizing import budget_bytes
+from specter.assembly.config import ConfigError
+from specter.assembly.methods import Generation
+from specter.assembly.sizing import budget_bytes
 from specter.metrics import CommitClock
 from specter.paths import safe_name, specter_home
 

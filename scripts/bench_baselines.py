@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from specter.harness.compose import compose
-from specter.harness.records import read_records
+from specter.assembly.compose import compose
+from specter.records.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 AIM = 1.5  # Specter's TPOT speedup over SpecMoEOff and MO-SM at the low tier (the paper: 1.50x average)
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "bench"))
     args = ap.parse_args(argv)
 
-    from specter.harness.errors import USER_ERRORS, report
-    from specter.harness.run import run
+    from specter.assembly.errors import USER_ERRORS, report
+    from specter.experiments.run import run
 
     out_root = Path(args.out)
     jobs = [(pass_, model, memory, *variant)
@@ -183,9 +183,9 @@ def explain(model: str, memory: str, other: str, args: argparse.Namespace) -> No
     import torch
     from transformers import AutoTokenizer
 
-    from specter.harness.datasets import load_prompts
-    from specter.harness.methods import build_method
-    from specter.harness.runtime import model_checkpoint
+    from specter.datasets import load_prompts
+    from specter.assembly.methods import build_method
+    from specter.assembly.runtime import model_checkpoint
 
     print(f"\nWhere the time goes at {model} {memory} (ms per generated token, {args.num_prompts} prompts):")
     for method in ("specter", other):

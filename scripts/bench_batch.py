@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from specter.harness.compose import compose
-from specter.harness.records import read_records
-from specter.harness.batch import BATCH_SCHEMA
-from specter.harness.rowstore import read_frame
+from specter.assembly.compose import compose
+from specter.records.records import read_records
+from specter.experiments.batch import BATCH_SCHEMA
+from specter.records.rowstore import read_frame
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("extra", nargs="*", help="more overrides for every run (key=value)")
     args = ap.parse_args(argv)
 
-    from specter.harness.batch import run_batch
-    from specter.harness.errors import USER_ERRORS, report
+    from specter.experiments.batch import run_batch
+    from specter.assembly.errors import USER_ERRORS, report
 
     out_root = Path(args.out)
     rows = []

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from specter.harness.compose import compose
-from specter.harness.records import read_records
+from specter.assembly.compose import compose
+from specter.records.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("target_only", "target_only_compact", "target_only_compiled", "transformers", "llamacpp", "vllm")
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "bench" / "engines"))
     args = ap.parse_args(argv)
 
-    from specter.harness.errors import USER_ERRORS, one_line
-    from specter.harness.run import run
+    from specter.assembly.errors import USER_ERRORS, one_line
+    from specter.experiments.run import run
 
     out_root = Path(args.out)
     rows, skipped = [], {}

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from specter.harness.compose import compose
+from specter.assembly.compose import compose
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 def measure(model: str, memory: str, args) -> tuple[list[dict], list[dict], dict]:
     from transformers import AutoTokenizer
 
-    from specter.harness.datasets import load_prompts
-    from specter.harness.methods import build_method
-    from specter.harness.runtime import model_checkpoint
+    from specter.datasets import load_prompts
+    from specter.assembly.methods import build_method
+    from specter.assembly.runtime import model_checkpoint
     from specter.speculative.sampling import make_generator
     from specter.speculative.trace import window_limits
 

@@ -3,7 +3,7 @@ MO-SM and SpecMoEOff, interleaved record by record as `experiment=cell` measures
 
 For each model x memory tier it composes the cell's configuration (`experiment=cell`, the emulated link at
 the model's default load ratio), builds one run folder per variant under --out, and measures the records
-in rounds with the order rotated every round (specter/harness/cell.py's protocol; Specter appears twice,
+in rounds with the order rotated every round (specter/experiments/cell.py's protocol; Specter appears twice,
 once per `method.residency`, which a plain cell cannot list). Then it prints and writes one CSV row per
 (model, tier, variant):
 
@@ -39,7 +39,7 @@ VARIANTS = (  # (name, method, method overrides)
 
 
 def variant_configs(cfg, variants, out: Path, quant: str | None):
-    from specter.harness.cell import method_config
+    from specter.experiments.cell import method_config
 
     subs = []
     for name, method, extra in variants:
@@ -55,9 +55,9 @@ def variant_configs(cfg, variants, out: Path, quant: str | None):
 
 
 def measure_cell(cfg, variants, out: Path, quant: str | None) -> list[tuple[str, Path]]:
-    """The cell's records, interleaved (specter.harness.cell's loop over our variants)."""
-    from specter.harness.cell import measure_interleaved
-    from specter.harness.run import prepare, record_keys
+    """The cell's records, interleaved (specter.experiments.cell's loop over our variants)."""
+    from specter.experiments.cell import measure_interleaved
+    from specter.experiments.run import prepare, record_keys
 
     subs = variant_configs(cfg, variants, out, quant)
     preps = [prepare(sub, sub.num_prompts) for sub in subs]
@@ -66,8 +66,8 @@ def measure_cell(cfg, variants, out: Path, quant: str | None) -> list[tuple[str,
 
 
 def table(model: str, tier: str, folders: list[tuple[str, Path]], expert_bytes: int) -> pd.DataFrame:
-    from specter.harness.paired import paired_by_prompt
-    from specter.harness.records import read_records
+    from specter.records.paired import paired_by_prompt
+    from specter.records.records import read_records
 
     recs = {name: read_records(f / "records.csv").sort_values(["dataset", "prompt_index", "repeat"]) for name, f in folders}
     base = recs.get("specter[lru]")
@@ -100,7 +100,7 @@ def table(model: str, tier: str, folders: list[tuple[str, Path]], expert_bytes: 
 def cell_config(model: str, tier: str, args: argparse.Namespace):
     """One cell's configuration: the trained proxy (as the reference cells run it: an untrained model's draft
     is noise), the emulated link at the model's default ratio, the real model's slots."""
-    from specter.harness.compose import compose
+    from specter.assembly.compose import compose
 
     return compose(["experiment=cell", f"model={model}", "model.trained=true", f"memory={tier}", "hardware=emulated",
                     f"dataset={args.dataset}", f"num_prompts={args.num_prompts}", "repeats=1",
@@ -146,7 +146,7 @@ def _expert_bytes(cfg) -> int:
 
     import torch
 
-    from specter.harness.runtime import device_and_dtype, model_checkpoint
+    from specter.assembly.runtime import device_and_dtype, model_checkpoint
 
     _, dtype = device_and_dtype(cfg)
     conf = json.loads((model_checkpoint(cfg) / "config.json").read_text())

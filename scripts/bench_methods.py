@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from specter.harness.compose import compose
-from specter.harness.records import read_records
+from specter.assembly.compose import compose
+from specter.records.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "bench"))
     args = ap.parse_args(argv)
 
-    from specter.harness.errors import USER_ERRORS, report
-    from specter.harness.run import run
+    from specter.assembly.errors import USER_ERRORS, report
+    from specter.experiments.run import run
 
     variants = []
     for suite in SUITES if args.suite == "all" else [args.suite]:

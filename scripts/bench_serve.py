@@ -38,7 +38,7 @@ FIELDS = ("method", "model", "memory", "clients", "requests", "wall_s", "rps", "
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    from specter.harness.batch import percentile as pct
+    from specter.experiments.batch import percentile as pct
 
     return pct(values, q)
 
@@ -47,7 +47,7 @@ def prompts(n: int, prefix: int, checkpoint: Path) -> list[list[int]]:
     """The first `n` HumanEval prompts as `prefix`-token id lists (the harness's protocol)."""
     from transformers import AutoTokenizer
 
-    from specter.harness.datasets import load_prompt_set
+    from specter.datasets import load_prompt_set
 
     tok = AutoTokenizer.from_pretrained(checkpoint)
     texts = load_prompt_set("humaneval", n, str(REPO / "assets"), allow_hub=False).texts
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pandas as pd
 
-    from specter.harness.runtime import model_checkpoint
+    from specter.assembly.runtime import model_checkpoint
     from specter.serve.build import compose_checked
 
     out = Path(args.out)

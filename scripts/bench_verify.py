@@ -22,7 +22,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-from specter.harness.compose import compose
+from specter.assembly.compose import compose
 
 
 def time_verification(rt, prompt: torch.Tensor, window: torch.Tensor, schedule: str, reps: int) -> dict:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "bench" / "verify_schedule.csv"))
     args = ap.parse_args(argv)
 
-    from specter.harness.runtime import build_runtime, method_spec, model_checkpoint
+    from specter.assembly.runtime import build_runtime, method_spec, model_checkpoint
 
     rows = []
     for model in args.models:

@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from specter.harness.compose import compose
-    from specter.harness.errors import USER_ERRORS, report
-    from specter.harness.records import read_records
-    from specter.harness.run import run
+    from specter.assembly.compose import compose
+    from specter.assembly.errors import USER_ERRORS, report
+    from specter.records.records import read_records
+    from specter.experiments.run import run
 
     out = Path(args.out)
     rows = []

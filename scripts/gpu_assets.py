@@ -17,9 +17,9 @@ GPTQ_RUN = ("model=tiny_phi", "method=specter", "method.quant=gptq", "memory=low
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specter.harness.compose import compose
-    from specter.harness.config import effective_K
-    from specter.harness.runtime import build_runtime, gptq_draft_for, method_spec, model_checkpoint
+    from specter.assembly.compose import compose
+    from specter.assembly.config import effective_K
+    from specter.assembly.runtime import build_runtime, gptq_draft_for, method_spec, model_checkpoint
     from specter.paths import specter_home
 
     if "--print-overrides" in (argv if argv is not None else sys.argv[1:]):

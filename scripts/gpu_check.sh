@@ -104,7 +104,7 @@ PY
 }
 
 step_plan() {
-  "$PY" -m specter.harness.plan output_dir="$WORK/plan" >"$DEST/plan.txt"
+  "$PY" -m specter.experiments.plan output_dir="$WORK/plan" >"$DEST/plan.txt"
 }
 
 step_measure_device() {

@@ -92,7 +92,7 @@ def overrides(name: str, checkpoint: Path, tier: str, budget_gb: float | None, d
 
 
 def plan_for(cfg):
-    from specter.harness.plan import plan_rows
+    from specter.assembly.plan import plan_rows
 
     rows, facts = plan_rows(cfg)
     return {(r.method, r.batch): r for r in rows}, facts
@@ -103,10 +103,10 @@ def rehearse_model(name: str, layers: int, device: str, dtype: str, quant: str, 
     """Every method on one real architecture at both tiers; returns the csv rows (raises on a failed check)."""
     from omegaconf import open_dict
 
-    from specter.harness.compare import compare
-    from specter.harness.compose import compose
-    from specter.harness.errors import BudgetError
-    from specter.harness.methods import build_method
+    from specter.experiments.compare import compare
+    from specter.assembly.compose import compose
+    from specter.assembly.errors import BudgetError
+    from specter.assembly.methods import build_method
 
     t0 = time.perf_counter()
     checkpoint = build_checkpoint(name, layers, dtype, workdir / "models" / f"{name}-{layers}l-{dtype}", device)
@@ -139,8 +139,8 @@ def rehearse_model(name: str, layers: int, device: str, dtype: str, quant: str, 
             }
         t = time.perf_counter()
         root = compare(cfg)
-        from specter.harness.compare import method_config
-        from specter.harness.config import bind_checkpoint
+        from specter.experiments.compare import method_config
+        from specter.assembly.config import bind_checkpoint
 
         for m in refused:
             try:
@@ -155,8 +155,8 @@ def rehearse_model(name: str, layers: int, device: str, dtype: str, quant: str, 
         seconds = time.perf_counter() - t
         if i == 0 and device == "cpu":  # llama.cpp: its own GGUF export; a failure is reported, the rest still runs
             try:
-                from specter.harness.compare import method_config
-                from specter.harness.run import run
+                from specter.experiments.compare import method_config
+                from specter.experiments.run import run
 
                 run(method_config(cfg, "llamacpp"))
                 methods.append("llamacpp")

@@ -2,9 +2,9 @@
 
 How a run is assembled (the config stops at the spec; the engine takes typed values only)::
 
-    CLI / compose ──► DictConfig ──► harness.runtime.method_spec ──► MethodSpec (frozen; env.json "spec")
+    CLI / compose ──► DictConfig ──► assembly.runtime.method_spec ──► MethodSpec (frozen; env.json "spec")
                                                                         │ a baseline: replace(spec, ...)
-    Method (harness.methods) ── build_runtime(spec) ── draft ── final_runtime(rt, M, staging, draft)
+    Method (assembly.methods) ── build_runtime(spec) ── draft ── final_runtime(rt, M, staging, draft)
                                                                         │ Runtime (frozen): its MoERuntime
                                                                         │ holds two immutable executors,
                                                                         │ TargetExecutor and DraftExecutor

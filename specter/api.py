@@ -14,7 +14,7 @@ do (specter/serve/build.py: the same schema and checks, warm-up and link calibra
 decodes its prompts together through the method's batched request loop (specter, the methods built
 on its engine, target_only, offload_ar), at most the memory tier's largest fitting batch at a time,
 and one by one for a method without one. Bad input raises the project's one-line exceptions
-(ConfigError and the other user errors of specter/harness/errors.py) before anything decodes.
+(ConfigError and the other user errors of specter/assembly/errors.py) before anything decodes.
 `specter generate` is this module's `stream` on the command line (specter/cli.py).
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specter.harness.config import SEED_LIMIT, ConfigError
+from specter.assembly.config import SEED_LIMIT, ConfigError
 
 
 class EngineClosed(ConfigError):

@@ -39,7 +39,7 @@ def _guarded(command, argv: list[str]) -> int:
     from specter.entry import UsageError, guarded
 
     def body() -> int:
-        from specter.harness.errors import USER_ERRORS, disk_error
+        from specter.assembly.errors import USER_ERRORS, disk_error
 
         try:
             return command(argv)
@@ -56,7 +56,7 @@ def _guarded(command, argv: list[str]) -> int:
 
 def split_overrides(argv: list[str], own: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
     """(config overrides, the command's own key=value settings)."""
-    from specter.harness.config import ConfigError
+    from specter.assembly.config import ConfigError
 
     overrides, settings = [], {}
     for arg in argv:
@@ -71,7 +71,7 @@ def split_overrides(argv: list[str], own: tuple[str, ...]) -> tuple[list[str], d
 
 
 def _flag(settings: dict[str, str], key: str) -> bool:
-    from specter.harness.config import ConfigError
+    from specter.assembly.config import ConfigError
 
     value = settings.get(key, "false").strip().lower()
     if value not in ("true", "false", "1", "0", "yes", "no"):
@@ -84,8 +84,8 @@ def generate_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from specter.api import Engine
-    from specter.harness.config import ConfigError
-    from specter.harness.runtime import model_checkpoint
+    from specter.assembly.config import ConfigError
+    from specter.assembly.runtime import model_checkpoint
     from specter.serve.build import compose_checked, load
 
     overrides, settings = split_overrides(argv, GENERATE_KEYS)
@@ -120,7 +120,7 @@ def generate_main(argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------- serve
 def serve_main(argv: list[str]) -> int:
     from specter.entry import OneLineParser, bounded
-    from specter.harness.config import ConfigError
+    from specter.assembly.config import ConfigError
     from specter.serve.build import MAX_BATCH, compose_checked, load
     from specter.serve.server import bind_socket, is_loopback, make_server
 

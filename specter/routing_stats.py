@@ -197,7 +197,7 @@ def held_out_docs(tokenizer, sources: tuple[str, ...] = HELD_OUT, tokens: int = 
 
 def _texts(source: str, tokenizer, tokens: int) -> list[str]:
     """Enough texts of one source for `tokens` tokens (all of them if it holds fewer)."""
-    from specter.harness.datasets import TooFewPrompts, load_prompts
+    from specter.datasets import TooFewPrompts, load_prompts
 
     path = Path(source)
     if path.is_file():
@@ -352,7 +352,7 @@ def model_defaults(conf: str) -> tuple[int, dict[str, int]]:
     """(K, {tier: resident experts per layer}) from conf/model/<conf>.yaml."""
     from omegaconf import OmegaConf
 
-    from specter.harness.compose import CONF_DIR
+    from specter.assembly.compose import CONF_DIR
 
     data = OmegaConf.load(CONF_DIR / "model" / f"{conf}.yaml")
     tiers = {t: int(v["resident_experts"]) for t, v in data["tiers"].items()}
@@ -365,7 +365,7 @@ MAX_TOKENS = 2**20  # routes of a million tokens: hours on a CPU, and far more t
 def check_sources(text: str) -> tuple[str, ...]:
     """--text as sources, each a dataset name or a readable text file (UsageError otherwise)."""
     from specter.entry import UsageError
-    from specter.harness.datasets import DATASETS, canonical_name
+    from specter.datasets import DATASETS, canonical_name
 
     sources = tuple(s.strip() for s in text.split(","))
     for source in sources:
@@ -425,7 +425,7 @@ def _main(argv: list[str] | None) -> int:
     check_out(out)
     from safetensors import SafetensorError
 
-    from specter.harness.datasets import DatasetFormatError, DatasetUnavailable
+    from specter.datasets import DatasetFormatError, DatasetUnavailable
     from specter.models.facts import CheckpointFactsError
 
     try:

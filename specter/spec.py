@@ -1,7 +1,7 @@
 """What one method run is, as typed frozen values: the only thing the engine is built from.
 
 The harness turns the composed config into a `MethodSpec` exactly once
-(`specter.harness.runtime.method_spec`); a baseline is that spec with its own fields replaced
+(`specter.assembly.runtime.method_spec`); a baseline is that spec with its own fields replaced
 (`dataclasses.replace`) plus the public pieces it swaps (drafter, planner, expert filter).
 `MethodSpec.record()` is what env.json records under "spec".
 """
@@ -86,7 +86,7 @@ class MethodSpec:
     staging: int | None = None  # staging buffers shared by all layers (None: the one rule, offload.budget.staging_buffers)
     staging_per_layer: float = STAGING_PER_LAYER  # the cap of `staging=None`, per MoE layer
     plan_cap: int | None = None  # at most this many experts per layer in a window's plan (a verifier's budget)
-    planned: Any = None  # a tiny model's slots and staging from the real model's plan (harness.real_plan.PlannedSlots)
+    planned: Any = None  # a tiny model's slots and staging from the real model's plan (assembly.real_plan.PlannedSlots)
     budget: BudgetSpec = field(default_factory=BudgetSpec)
     link: LinkSpec = field(default_factory=LinkSpec)
     sequence_tokens: int = 0  # prefix + new tokens a request holds in KV (before the K+1 window)

@@ -64,7 +64,7 @@ def filled_store():
     return make_filled_store
 
 
-from specter.harness.compose import compose  # noqa: E402,F401  (re-exported for tests)
+from specter.assembly.compose import compose  # noqa: E402,F401  (re-exported for tests)
 
 
 def run_cli(args: list[str], cwd: Path | None = None, timeout: int = 600):
@@ -82,7 +82,7 @@ def cli_in_process(args: list[str], capsys) -> tuple[int, str, str]:
     """`python run.py args` in-process: (exit status, stdout, stderr); the thread count is restored."""
     import torch
 
-    from specter.harness import cli as cli_mod
+    from specter.experiments import cli as cli_mod
 
     threads = torch.get_num_threads()
     try:

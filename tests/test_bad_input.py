@@ -1,7 +1,7 @@
 """Every bad input gives one line on stderr, exit status 2, no traceback — before any model loads
 wherever the value is known without the model.
 
-The table runs `specter.harness.run.main` (what `python run.py` calls) in-process for speed; a
+The table runs `specter.experiments.run.main` (what `python run.py` calls) in-process for speed; a
 few cases run `run.py` in a subprocess to check the real command line end to end.
 """
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import FIXTURES, cli_in_process, run_cli
-from specter.harness import cli as cli_mod
-from specter.harness import run as run_mod
+from specter.experiments import cli as cli_mod
+from specter.experiments import run as run_mod
 
 ASSETS = FIXTURES / "datasets"
 BASE = ["num_prompts=1", "max_new_tokens=2", "warmup_tokens=0", "progress=false", f"assets_dir={ASSETS}"]
@@ -188,7 +188,7 @@ def test_cuda_without_gpu_before_anything_loads(tmp_path, capsys, monkeypatch):
 @pytest.fixture
 def calibration_home(tmp_path, monkeypatch, tiny_checkpoint):
     """Calibration files go to a private folder; returns the file this run will read."""
-    from specter.harness import runtime
+    from specter.assembly import runtime
     from specter.models.registry import checkpoint_digest
 
     monkeypatch.setattr(runtime, "specter_home", lambda: tmp_path / "home")
@@ -296,11 +296,12 @@ def test_multirun_refuses_an_unknown_experiment(tmp_path):
 
 
 def test_optional_group_sweeps_are_checked_per_option():
-    from specter.harness.config import ConfigError
+    from specter.assembly.compose import check_optional_groups
+    from specter.assembly.config import ConfigError
 
-    cli_mod.check_optional_groups(["experiment=main,batch"])
+    check_optional_groups(["experiment=main,batch"])
     with pytest.raises(ConfigError, match="unknown experiment='bogus'"):
-        cli_mod.check_optional_groups(["experiment=main,bogus"])
+        check_optional_groups(["experiment=main,bogus"])
 
 
 def _enospc(*args, **kwargs):
@@ -310,7 +311,8 @@ def _enospc(*args, **kwargs):
 @pytest.mark.parametrize("where", ["model", "calibration", "draft"])
 def test_disk_full_under_specter_home_is_one_line(where, capsys, monkeypatch, tmp_path, tiny_checkpoint):
     """A full disk while building the model, the link calibration or the draft (issue 21, item 5)."""
-    from specter.harness import methods, runtime
+    from specter.assembly import methods
+    from specter.assembly import runtime
 
     args = [*BASE, f"output_dir={tmp_path / 'o'}"]
     if where == "model":

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from conftest import FIXTURES, TINY_MODELS, compose
 
 from baselines.moe_spec import ExpertBudget
-from specter.harness.config import ConfigError
-from specter.harness.methods import build_method
-from specter.harness.records import COLUMNS
+from specter.assembly.config import ConfigError
+from specter.assembly.methods import build_method
+from specter.records.records import COLUMNS
 from specter.kernels.reference import moe_reference
 from specter.models.loading import load_full_model
 from specter.moe import SpecterExperts
@@ -319,7 +319,7 @@ def test_moe_spec_unbinding_budget_is_specter_and_a_small_one_loads_less(tiny_ch
     ("mo_sc", []), ("mo_sm", []), ("specmoeoff", ["method.quant=rtn"]),
     ("moe_spec", ["method.quant=rtn", "method.budget_mode=truncate"])])
 def test_run_writes_the_common_records(method, extra, tmp_path, tiny_checkpoint):
-    from specter.harness.run import run
+    from specter.experiments.run import run
 
     tiny_checkpoint("tiny_dsv2")
     out = run(compose(["model=tiny_dsv2", "memory=low", f"method={method}", *LINK, *extra, "num_prompts=1",

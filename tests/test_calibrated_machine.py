@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specter.harness.compose import compose
-from specter.harness.config import ConfigError, load_ratio_of
+from specter.assembly.compose import compose
+from specter.assembly.config import ConfigError, load_ratio_of
 from specter.projection.cost_model import cost_model
 from specter.projection.link_ratio import LEGACY_ESTIMATE, link_ratio
 
@@ -43,14 +43,14 @@ def test_another_device_file_moves_the_ratio() -> None:
 
 
 def test_an_unknown_device_file_is_one_clear_error() -> None:
-    from specter.harness.config import validate
+    from specter.assembly.config import validate
 
     with pytest.raises(ConfigError, match="device_model"):
         validate(compose(["model=tiny_dsv2", "hardware=emulated", "hardware.device_model=no_such_gpu"]))
 
 
 def test_the_spec_carries_the_ratio_and_its_source() -> None:
-    from specter.harness.runtime import method_spec
+    from specter.assembly.runtime import method_spec
 
     spec = method_spec(compose(["model=tiny_phi", "hardware=emulated", "method=specter"]))
     assert spec.link.load_ratio == pytest.approx(link_ratio("phi35moe").ratio)
@@ -58,7 +58,7 @@ def test_the_spec_carries_the_ratio_and_its_source() -> None:
 
 
 def test_named_points_of_the_sweep() -> None:
-    from specter.harness.load_ratio_sweep import named_ratios
+    from specter.experiments.load_ratio_sweep import named_ratios
 
     cfg = compose(["experiment=load_ratio_sweep", "model=tiny_dsv2"])
     named = named_ratios(cfg, "tiny_dsv2")
@@ -70,7 +70,7 @@ def test_named_points_of_the_sweep() -> None:
 # ----------------------------------------------------------------------------- real-model slots
 
 def _plan_row(real: str, tier: str, method: str):
-    from specter.harness.plan import plan_rows
+    from specter.assembly.plan import plan_rows
 
     rows, _ = plan_rows(compose([f"model={real}", f"memory={tier}", "hardware=cuda", "experiment=plan"]))
     return next(r for r in rows if r.method == method and r.batch == 1)
@@ -78,7 +78,7 @@ def _plan_row(real: str, tier: str, method: str):
 
 @pytest.mark.parametrize("tiny,tier", [("tiny_dsv2", "high"), ("tiny_qwen", "low"), ("tiny_phi", "high")])
 def test_mo_sm_slots_are_the_real_plans(tiny: str, tier: str) -> None:
-    from specter.harness.real_plan import planned_slots
+    from specter.assembly.real_plan import planned_slots
 
     planned = planned_slots(compose([f"model={tiny}", f"memory={tier}", "method=mo_sm", "hardware=emulated"]))
     assert planned is not None and planned.resident == _plan_row(REAL_OF[tiny], tier, "mo_sm").resident
@@ -86,14 +86,14 @@ def test_mo_sm_slots_are_the_real_plans(tiny: str, tier: str) -> None:
 
 
 def test_dsv2_high_mo_sm_holds_32_slots_as_the_plan_says() -> None:
-    from specter.harness.real_plan import planned_slots
+    from specter.assembly.real_plan import planned_slots
 
     assert _plan_row("dsv2", "high", "mo_sm").resident == 32
     assert planned_slots(compose(["model=tiny_dsv2", "memory=high", "method=mo_sm"])).resident == 32
 
 
 def test_staging_scales_per_layer() -> None:
-    from specter.harness.real_plan import planned_slots
+    from specter.assembly.real_plan import planned_slots
 
     row = _plan_row("dsv2", "high", "specter")
     planned = planned_slots(compose(["model=tiny_dsv2", "memory=high", "method=specter"]))
@@ -104,9 +104,9 @@ def test_staging_scales_per_layer() -> None:
 def test_a_batch_experiment_takes_the_plan_at_its_largest_batch() -> None:
     """Every batch size runs on one device layout: the real plan's at the largest size, whose KV and scratch
     for 32 requests leave fewer staging buffers than one request's (Phi-3.5-MoE high: the budget binds)."""
-    from specter.harness.config import effective_K
-    from specter.harness.plan import plan_rows
-    from specter.harness.real_plan import planned_slots
+    from specter.assembly.config import effective_K
+    from specter.assembly.plan import plan_rows
+    from specter.assembly.real_plan import planned_slots
 
     single = planned_slots(compose(["model=tiny_phi", "memory=high", "method=specter"]))
     batched = planned_slots(compose(["model=tiny_phi", "memory=high", "method=specter", "experiment=batch",
@@ -121,20 +121,20 @@ def test_a_batch_experiment_takes_the_plan_at_its_largest_batch() -> None:
 @pytest.mark.parametrize("overrides", [["memory.slots=budget"], ["memory.resident_experts=8"], ["memory.budget_mb=50"],
                                        ["method=target_only"]])
 def test_own_budget_when_asked_or_user_sized(overrides: list[str]) -> None:
-    from specter.harness.real_plan import planned_slots
+    from specter.assembly.real_plan import planned_slots
 
     assert planned_slots(compose(["model=tiny_dsv2", "memory=high", "method=mo_sm", *overrides])) is None
 
 
 def test_unknown_slot_source_is_refused() -> None:
-    from specter.harness.real_plan import planned_slots
+    from specter.assembly.real_plan import planned_slots
 
     with pytest.raises(ConfigError, match="memory.slots"):
         planned_slots(compose(["model=tiny_dsv2", "memory.slots=mine"]))
 
 
 def test_a_built_mo_sm_runs_with_the_plans_slots(tiny_checkpoint) -> None:
-    from specter.harness.methods import build_method
+    from specter.assembly.methods import build_method
 
     cfg = compose(["model=tiny_dsv2", "memory=high", "method=mo_sm", "hardware=cpu"])
     method = build_method(cfg, tiny_checkpoint("tiny_dsv2"))
@@ -193,7 +193,7 @@ def test_builtin_gptq_agrees_with_gptqmodel_at_fewer_bits(bits: int) -> None:
 
 
 def test_draft_bits_are_validated() -> None:
-    from specter.harness.config import validate
+    from specter.assembly.config import validate
 
     with pytest.raises(ConfigError, match="draft_bits"):
         validate(compose(["model=tiny_dsv2", "model.draft_bits=5"]))
@@ -202,7 +202,7 @@ def test_draft_bits_are_validated() -> None:
 @pytest.mark.parametrize("tiny", sorted(REAL_OF))
 @pytest.mark.parametrize("tier", ["high", "low"])
 def test_every_offloading_method_has_a_plan_that_fits(tiny: str, tier: str) -> None:
-    from specter.harness.real_plan import planned_slots
+    from specter.assembly.real_plan import planned_slots
 
     for method in ("offload_ar", "mo_sc", "mo_sm", "specter", "specmoeoff", "specmoeoff_artifact", "moe_spec"):
         planned = planned_slots(compose([f"model={tiny}", f"memory={tier}", f"method={method}"]))
@@ -212,7 +212,7 @@ def test_every_offloading_method_has_a_plan_that_fits(tiny: str, tier: str) -> N
 
 
 def test_planned_mo_sm_is_lossless(tiny_checkpoint) -> None:
-    from specter.harness.methods import build_method
+    from specter.assembly.methods import build_method
 
     prompt = torch.tensor([[17, 300, 45, 8, 512, 9, 77]])
     outs = {}

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from conftest import FIXTURES, cli_in_process, compose
-from specter.harness.cell import method_config, rotation
-from specter.harness.output import comparable
+from specter.experiments.cell import method_config, rotation
+from specter.records.output import comparable
 
 METHODS = ["target_only", "offload_ar", "mo_sc"]
 FAST = ["model=tiny_qwen", "memory=high", "hardware=cpu", "dataset=humaneval", "num_prompts=2", "repeats=2",

@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import FIXTURES, REPO, compose
 
-from specter.harness import cli as cli_mod
-from specter.harness.config import ConfigError, bind_checkpoint
+from specter.experiments import cli as cli_mod
+from specter.assembly.config import ConfigError, bind_checkpoint
 from specter.models.facts import CheckpointFacts, facts_from_config, matching_preset, read_facts
 
 ASSETS = FIXTURES / "datasets"
@@ -151,7 +151,7 @@ def test_presets_can_be_cleared(clear):
 
 
 def _mo_sm(tiny_checkpoint, *overrides):
-    from specter.harness.methods import build_method
+    from specter.assembly.methods import build_method
 
     ckpt = tiny_checkpoint("tiny_dsv2")
     cfg = compose(["method=mo_sm", "model=tiny_dsv2", "memory=low", "hardware=cpu", *overrides])
@@ -178,7 +178,7 @@ def test_mo_sm_takes_a_preset_only_for_its_checkpoint(tiny_checkpoint):
 
 # ----------------------------------------------------------------------------- error text, refused starts
 def test_missing_weights_message_is_one_readable_line_with_an_absolute_path(tmp_path, monkeypatch):
-    from specter.harness.errors import one_line
+    from specter.assembly.errors import one_line
     from specter.models.registry import ModelUnavailable, resolve_checkpoint
 
     monkeypatch.chdir(tmp_path)

@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 
 from specter.figures.data import ResultSet, read_validated
-from specter.harness.artifacts import SideTables, side_path
-from specter.harness.records import RecordWriter, token_digest
+from specter.records.artifacts import SideTables, side_path
+from specter.records.records import RecordWriter, token_digest
 from specter.reproduce.outputs import _csv_rows
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import TINY_MODELS, compose
 
-from specter.harness.config import ConfigError
-from specter.harness.methods import build_method
+from specter.assembly.config import ConfigError
+from specter.assembly.methods import build_method
 from specter.models.compact import CompactCausalLM
 from specter.models.loading import load_full_model
 from specter.speculative.autoregressive import generate_autoregressive
@@ -89,7 +89,7 @@ def test_the_link_is_timed_from_the_step_of_the_decode_path_in_use(tiny_checkpoi
     """r is relative to the layer step the run takes: on the compact path the probe decodes with
     the compact decoder (several times fewer operators), and the calibration cache keeps one step
     per decode path."""
-    from specter.harness.load_ratio import probe_decoder
+    from specter.assembly.load_ratio import probe_decoder
     from specter.offload.calibrate import measure_layer_step
 
     ckpt = tiny_checkpoint("tiny_qwen")

@@ -16,8 +16,8 @@ import torch
 from conftest import compose
 from test_compact_vs_hf import _random_model, other_size_configs
 
-from specter.harness.config import ConfigError
-from specter.harness.methods import build_method
+from specter.assembly.config import ConfigError
+from specter.assembly.methods import build_method
 from specter.models.compact import build_compact
 from specter.models.compact.direct import DirectCall
 from specter.models.compact.ops import FusedExperts, GatheredExperts

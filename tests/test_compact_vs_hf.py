@@ -272,7 +272,7 @@ def test_target_only_compact_path_gives_the_same_tokens(model, tmp_path, tiny_ch
     import pandas as pd
     from conftest import FIXTURES, compose
 
-    from specter.harness.run import run
+    from specter.experiments.run import run
 
     tiny_checkpoint(model)
     digests = {}
@@ -288,8 +288,8 @@ def test_target_only_compact_path_gives_the_same_tokens(model, tmp_path, tiny_ch
 def test_unknown_decode_path_is_one_clear_error(tiny_checkpoint):
     from conftest import compose
 
-    from specter.harness.config import ConfigError
-    from specter.harness.methods import compact_decoder
+    from specter.assembly.config import ConfigError
+    from specter.assembly.methods import compact_decoder
 
     cfg = compose(["model=tiny_qwen", "method=target_only", "method.decode_path=fast"])
     with pytest.raises(ConfigError, match="decode_path='fast'"):

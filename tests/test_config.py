@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from conftest import REPO, compose
-from specter.harness.config import ConfigError, effective_K, resident_experts, validate
+from specter.assembly.config import ConfigError, effective_K, resident_experts, validate
 
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml")) for g in
           ("model", "memory", "dataset", "method", "hardware", "experiment")}
@@ -93,8 +93,8 @@ def test_one_default_job(monkeypatch, capsys):
 
     from omegaconf import OmegaConf
 
-    from specter.harness import cli as cli_mod
-    from specter.harness import experiments
+    from specter.experiments import cli as cli_mod
+    from specter.experiments import dispatch as experiments
 
     seen = []
     monkeypatch.setattr(experiments, "run_experiment", lambda cfg: seen.append(cfg))
@@ -115,7 +115,7 @@ def test_every_experiment_runner_resolves():
     """Each registered runner names a function that exists (runners are imported only when they run)."""
     import importlib
 
-    from specter.harness.experiments import EXPERIMENTS
+    from specter.experiments.dispatch import EXPERIMENTS
 
     for kind, runner in EXPERIMENTS.items():
         module, name = runner.__qualname__.rsplit(".", 1)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from initialization import dataset_bundle as bundle
-from specter.harness import datasets as ds
-from specter.harness.datasets import DatasetFormatError, DatasetUnavailable, TooFewPrompts, load_prompt_set
+from specter import datasets as ds
+from specter.datasets import DatasetFormatError, DatasetUnavailable, TooFewPrompts, load_prompt_set
 
 REPO = Path(__file__).resolve().parents[1]
 GPQA_FIXTURE = REPO / "tests" / "fixtures" / "datasets" / "gpqa" / "gpqa_main.csv.zip"

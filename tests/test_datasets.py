@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from specter.harness import datasets as ds
-from specter.harness.datasets import (
+from specter import datasets as ds
+from specter.datasets import (
     ABBREVIATIONS,
     DATASETS,
     DatasetFormatError,

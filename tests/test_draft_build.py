@@ -19,7 +19,7 @@ def specter_home(tmp_path, monkeypatch, tiny_checkpoint):
 
 
 def test_gptq_draft_is_cached_and_checksummed(tiny_checkpoint, specter_home):
-    from specter.harness.runtime import build_runtime, gptq_draft_for, method_spec
+    from specter.assembly.runtime import build_runtime, gptq_draft_for, method_spec
     from specter.quant.calibration import CorruptDraft, load_draft
 
     ck = tiny_checkpoint("tiny_phi")
@@ -45,8 +45,8 @@ def test_gptq_draft_is_cached_and_checksummed(tiny_checkpoint, specter_home):
 
 
 def test_k_sweep_picks_min_tpot_and_feeds_specter(tiny_checkpoint, tmp_path):
-    from specter.harness.config import effective_K, load_ratio_of
-    from specter.harness.profile_k import profile_k
+    from specter.assembly.config import effective_K, load_ratio_of
+    from specter.experiments.profile_k import profile_k
 
     tiny_checkpoint("tiny_qwen")
     out = tmp_path / "sweep"
@@ -62,7 +62,7 @@ def test_k_sweep_picks_min_tpot_and_feeds_specter(tiny_checkpoint, tmp_path):
         rec = pd.read_csv(out / f"K={K}" / "records.csv")
         assert (rec.K == K).all() and rec.drafted_tokens.gt(0).all()
     assert effective_K(compose(["model=tiny_qwen", f"k_profile={out / 'k_profile.json'}"])) == profile["K"]
-    from specter.harness.config import ConfigError
+    from specter.assembly.config import ConfigError
 
     with pytest.raises(ConfigError, match="measured for"):
         effective_K(compose(["model=tiny_dsv2", f"k_profile={out / 'k_profile.json'}"]))
@@ -76,7 +76,7 @@ def test_k_sweep_picks_min_tpot_and_feeds_specter(tiny_checkpoint, tmp_path):
 
 
 def test_choose_K_is_the_lowest_mean_tpot():
-    from specter.harness.profile_k import choose_K
+    from specter.experiments.profile_k import choose_K
 
     table = pd.DataFrame({"K": [2, 4, 8, 16], "mean_tpot_ms": [5.0, 3.0, 4.0, 3.0]})
     assert choose_K(table) == 4  # 4 and 16 tie at 3.0 ms: the smaller K wins

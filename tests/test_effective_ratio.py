@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from conftest import FIXTURES, cli_in_process
-from specter.harness import load_ratio, runtime
-from specter.harness.records import COLUMNS
+from specter.assembly import load_ratio
+from specter.assembly import runtime
+from specter.records.records import COLUMNS
 from specter.offload.calibrate import (
     RATIO_COLUMNS,
     EffectiveRatio,
@@ -200,7 +201,7 @@ def test_target_only_records_leave_the_ratio_empty(capsys, tmp_path, tiny_checkp
 @pytest.mark.parametrize("override,needle", [("hardware.load_ratio_tolerance=0", "load_ratio_tolerance"),
                                              ("hardware.ratio_probe_steps=-1", "ratio_probe_steps")])
 def test_bad_ratio_settings_are_one_line(override, needle, capsys, tmp_path, monkeypatch):
-    from specter.harness import run as run_mod
+    from specter.experiments import run as run_mod
 
     monkeypatch.setattr(run_mod, "build_method", lambda *a, **k: pytest.fail("a model was loaded"))
     rc, out, err = cli([*BASE, override, f"output_dir={tmp_path / 'o'}"], capsys)

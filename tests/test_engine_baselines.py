@@ -20,7 +20,7 @@ from conftest import FIXTURES, compose, run_cli
 
 from baselines.common import agreement
 from baselines.llamacpp_engine import gpu_layers_for_budget, kv_bytes_per_token_layer
-from specter.harness.methods import build_method
+from specter.assembly.methods import build_method
 from specter.models.loading import load_full_model
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.sampling import SamplingParams, make_generator
@@ -124,7 +124,7 @@ def test_transformers_run_writes_records_with_token_agreement(tmp_path, tiny_che
 
 @pytest.mark.parametrize("method", ["transformers", "llamacpp", "vllm"])
 def test_engines_refuse_the_emulated_link(method, tiny_checkpoint):
-    from specter.harness.config import ConfigError
+    from specter.assembly.config import ConfigError
 
     cfg = compose([f"method={method}", "model=tiny_qwen", "hardware=emulated"])
     with pytest.raises(ConfigError, match="hardware=cpu"):
@@ -323,7 +323,7 @@ def test_llamacpp_missing_engine_names_the_install_command(tiny_checkpoint, monk
 def test_vllm_offloads_the_weights_over_the_tier_budget(tiny_checkpoint):
     from baselines.common import checkpoint_bytes
     from baselines.vllm_engine import GIB, cpu_offload_gib
-    from specter.harness.sizing import budget_bytes
+    from specter.assembly.sizing import budget_bytes
 
     assert cpu_offload_gib(10 * GIB, 4 * GIB) == 6 and cpu_offload_gib(3 * GIB, 4 * GIB) == 0
     full = checkpoint_bytes(tiny_checkpoint("tiny_qwen"), torch.float16)

@@ -63,7 +63,7 @@ def test_generators_live_on_the_sampling_device():
 
 
 def _specter(tiny_checkpoint, *extra):
-    from specter.harness.methods import build_method
+    from specter.assembly.methods import build_method
 
     cfg = compose(["model=tiny_qwen", "method=specter", "method.quant=rtn", "memory=low", "K=4",
                    "max_new_tokens=12", "warmup_tokens=0", *extra])
@@ -104,7 +104,7 @@ def test_prefetch_precision_counts_only_the_planners_predictions(tiny_checkpoint
 
 def test_lossless_check_reports_ties_and_violations(tiny_checkpoint, monkeypatch):
     """A flipped token is a violation unless the target's logit margin is within the tie tolerance."""
-    from specter.harness.methods import LosslessViolation
+    from specter.assembly.methods import LosslessViolation
 
     for tolerance, expect_tie in ((0.0, False), (1e9, True)):
         method = _specter(tiny_checkpoint, "verify_lossless=true", f"lossless_tie_tolerance={tolerance}")

@@ -90,7 +90,7 @@ def test_an_address_not_of_this_machine_is_one_line_without_a_banner(capsys):
 
 def test_a_non_loopback_host_is_warned_about(monkeypatch, capsys):
     import specter.serve.build as build
-    from specter.harness.config import ConfigError
+    from specter.assembly.config import ConfigError
 
     def stop(*args, **kwargs):
         raise ConfigError("stopped before loading")
@@ -246,7 +246,7 @@ GOOD_DEVICE = (REPO / "specter" / "projection" / "devices" / "a100_40gb_pcie4.ya
     (GOOD_DEVICE.replace("peak_fp16: {", "peak_fp16: 3\nx: {"), "peak_fp16 must be"),
 ])
 def test_device_files_are_validated(tmp_path, text, expect):
-    from specter.harness.config_error import ConfigError
+    from specter.assembly.config_error import ConfigError
     from specter.projection.cost_model import load_device
 
     path = tmp_path / "device.yaml"
@@ -258,7 +258,7 @@ def test_device_files_are_validated(tmp_path, text, expect):
 
 
 def test_a_device_folder_is_refused(tmp_path):
-    from specter.harness.config_error import ConfigError
+    from specter.assembly.config_error import ConfigError
     from specter.projection.cost_model import load_device
 
     folder = tmp_path / "dev.yaml"

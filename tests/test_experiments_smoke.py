@@ -28,7 +28,7 @@ OUTPUT = {"plan": "plan.csv", "project": "projection.csv"}  # the plan and the p
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_config_runs(name, tiny_checkpoint, tmp_path):
-    from specter.harness.experiments import run_experiment
+    from specter.experiments.dispatch import run_experiment
 
     tiny_checkpoint("tiny_qwen")
     cfg = compose([f"experiment={name}", "model=tiny_qwen", *TINY, *PER_EXPERIMENT.get(name, []),
@@ -49,7 +49,7 @@ def test_experiment_config_runs(name, tiny_checkpoint, tmp_path):
 def test_comparison_table_flags_differing_tokens():
     import pandas as pd
 
-    from specter.harness.compare import comparison_table
+    from specter.experiments.compare import comparison_table
 
     rec = pd.DataFrame({
         "method": ["target_only", "offload_ar", "specter"], "dataset": ["he"] * 3, "prompt_index": [0] * 3,
@@ -71,7 +71,7 @@ def test_comparison_table_flags_differing_tokens():
 def test_comparison_prints_short_routing_headers(capsys):
     import pandas as pd
 
-    from specter.harness.compare import comparison_table, print_comparison
+    from specter.experiments.compare import comparison_table, print_comparison
 
     rec = pd.DataFrame({"method": ["target_only", "specter"], "dataset": ["he"] * 2, "prompt_index": [0] * 2,
                         "repeat": [0] * 2, "tpot_ms": [10.0, 5.0], "output_digest": ["a", "a"],

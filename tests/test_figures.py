@@ -127,7 +127,7 @@ def make_results(root: Path, with_trace: bool = True) -> Path:
 
 def _projection(folder: Path) -> None:
     """experiment=project's two CSVs, in its own column order (the projected Fig. 14 and window)."""
-    from specter.harness.project import CSV_FIELDS, TIMELINE_FIELDS
+    from specter.experiments.project import CSV_FIELDS, TIMELINE_FIELDS
 
     folder.mkdir(parents=True)
     rows = []
@@ -153,7 +153,7 @@ def _projection(folder: Path) -> None:
 
 def _projected_batching(folder: Path) -> None:
     """project.batch=true's two CSVs: TPOT and throughput against B, and the paper's claims beside them."""
-    from specter.harness.project import BATCH_VS_PAPER_FIELDS
+    from specter.experiments.project import BATCH_VS_PAPER_FIELDS
     from specter.projection.batching import BATCH_FIELDS
 
     rows = []

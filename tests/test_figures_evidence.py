@@ -414,7 +414,7 @@ def test_staging_ablation_is_drawn_apart_and_compared_per_method(tmp_path):
 def test_batch_row_carries_a_lossy_methods_token_match():
     from types import SimpleNamespace
 
-    from specter.harness.batch import batch_row
+    from specter.experiments.batch import batch_row
 
     def request(match):
         clock = SimpleNamespace(latency=lambda: {"tpot_ms": 10.0, "ttft_ms": 50.0})

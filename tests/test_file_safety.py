@@ -18,11 +18,11 @@ from omegaconf import OmegaConf
 
 from specter import paths
 from specter.figures.data import ResultSet
-from specter.harness import cli
-from specter.harness.artifacts import SideTables
-from specter.harness.config import ConfigError
-from specter.harness.output import LOCK_NAME, OutputError, run_folder
-from specter.harness.records import RecordWriter, token_digest
+from specter.experiments import cli
+from specter.records.artifacts import SideTables
+from specter.assembly.config import ConfigError
+from specter.records.output import LOCK_NAME, OutputError, run_folder
+from specter.records.records import RecordWriter, token_digest
 from specter.paths import UnsafeName, safe_name
 
 
@@ -62,7 +62,7 @@ def test_figures_survive_bad_side_tables_and_config(tmp_path, capsys):
                     {"routes": [{"window": 0, "layer": 1, "expert": 2, "count": 1}],
                      "trace": [{"window": 0, "event": "copy", "start_ms": 0.0, "end_ms": 1.0, "layer": 1, "expert": 2,
                                 "bytes": 8, "phase": "", "queued_ms": 0.0}]})
-    from specter.harness.rowstore import gzip_member
+    from specter.records.rowstore import gzip_member
 
     with (out / "routes.csv.gz").open("ab") as f:
         f.write(gzip_member(b"humaneval,1,0,\xe9\xff,1,2,1\n"))  # not UTF-8
@@ -100,15 +100,15 @@ def test_safe_names_pass(name):
 
 
 def test_runner_only_from_the_registry(tmp_path):
-    from specter.harness.methods import build_method
-    from specter.harness.runners import known_runners
+    from specter.assembly.methods import build_method
+    from specter.assembly.runners import known_runners
 
     RUNNERS = known_runners()
 
     cfg = OmegaConf.create({"method": {"name": "evil", "runner": "os:system"}})
     with pytest.raises(ConfigError, match="unknown runner 'os:system'"):
         build_method(cfg, tmp_path)
-    assert "specter.harness.methods:Specter" in RUNNERS
+    assert "specter.assembly.methods:Specter" in RUNNERS
     conf = Path(__file__).resolve().parents[1] / "conf" / "method"
     for f in conf.glob("*.yaml"):  # every shipped method is known
         runner = next(line.split(":", 1)[1].strip() for line in f.read_text().splitlines()
@@ -257,9 +257,9 @@ def _fail_rename(monkeypatch):
 
 
 def test_batch_summary_is_written_atomically(tmp_path, monkeypatch):
-    from specter.harness import batch as batch_mod
-    from specter.harness.batch import BatchTable
-    from specter.harness.rowstore import RowStoreError
+    from specter.experiments import batch as batch_mod
+    from specter.experiments.batch import BatchTable
+    from specter.records.rowstore import RowStoreError
 
     (tmp_path / "B=2").mkdir()
     BatchTable(tmp_path / "B=2" / "batch.csv").append(
@@ -273,7 +273,7 @@ def test_batch_summary_is_written_atomically(tmp_path, monkeypatch):
 
 
 def _fake_run(monkeypatch, tpot: float = 40.0):
-    from specter.harness import run as run_mod
+    from specter.experiments import run as run_mod
 
     def run(cfg):
         out = Path(cfg.output_dir)
@@ -289,7 +289,7 @@ def _fake_run(monkeypatch, tpot: float = 40.0):
 
 
 def test_k_sweep_and_profile_are_written_atomically(tmp_path, monkeypatch, capsys):
-    from specter.harness.profile_k import profile_k
+    from specter.experiments.profile_k import profile_k
 
     _fake_run(monkeypatch)
     cfg = OmegaConf.create({"method": {"name": "specter"}, "model": {"name": "tiny_qwen"}, "memory": {"name": "low"},
@@ -306,7 +306,7 @@ def test_k_sweep_and_profile_are_written_atomically(tmp_path, monkeypatch, capsy
 
 
 def test_compare_table_is_written_atomically(tmp_path, monkeypatch):
-    from specter.harness import compare as compare_mod
+    from specter.experiments import compare as compare_mod
 
     _fake_run(monkeypatch)
     monkeypatch.setattr(compare_mod, "method_config", lambda cfg, m: OmegaConf.merge(

@@ -2,11 +2,11 @@
 wrong type, in or out of range) either runs a 4-token job (exit 0) or is refused with exactly one
 `specter: error:` line and exit status 2 — never a traceback.
 
-Keys come from the dataclasses in specter/harness/schema.py; values from the field's type plus
+Keys come from the dataclasses in specter/assembly/schema.py; values from the field's type plus
 wrong-typed and boundary values. Settings that only scale the work (repeats, warm-up, threads) are
 drawn small; settings that would build or train a model (model.trained) or compile one
 (method.decode_path=compiled) are left out, since their cost, not their parsing, is what they test.
-Runs in-process (`specter.harness.cli.main`), bounded by max_examples.
+Runs in-process (`specter.experiments.cli.main`), bounded by max_examples.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from conftest import FIXTURES, cli_in_process  # noqa: E402
-from specter.harness import schema  # noqa: E402
+from specter.assembly import schema  # noqa: E402
 
 BASE = ["model=tiny_qwen", "method=target_only", "dataset=gsm8k", "num_prompts=1", "max_new_tokens=4",
         "warmup_tokens=0", "progress=false", f"assets_dir={FIXTURES / 'datasets'}"]
@@ -208,7 +208,7 @@ def test_device_files_load_or_refuse(entries):
 
     import yaml
 
-    from specter.harness.config_error import ConfigError
+    from specter.assembly.config_error import ConfigError
     from specter.projection.cost_model import load_device
 
     with tempfile.TemporaryDirectory() as tmp:

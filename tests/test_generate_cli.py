@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specter.cli import main
-from specter.harness.methods import build_method
+from specter.assembly.methods import build_method
 from specter.serve.build import compose_checked
 
 COMMON = ["model=tiny_dsv2", "memory=low", "hardware=emulated", "hardware.bandwidth_gbps=20", "hardware.latency_us=5",
@@ -20,7 +20,7 @@ def expected_text():
     from transformers import AutoTokenizer
 
     cfg = compose_checked([*COMMON, "method=target_only"])
-    from specter.harness.runtime import model_checkpoint
+    from specter.assembly.runtime import model_checkpoint
 
     ck = model_checkpoint(cfg)
     tok = AutoTokenizer.from_pretrained(ck)

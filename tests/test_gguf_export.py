@@ -26,7 +26,7 @@ import pytest
 import torch
 from conftest import compose
 
-from specter.harness.methods import build_method
+from specter.assembly.methods import build_method
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.sampling import SamplingParams, make_generator
 

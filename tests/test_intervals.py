@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specter.harness.paired import (median_interval, median_interval_reference, paired_ratio, straddles_one)
+from specter.records.paired import (median_interval, median_interval_reference, paired_ratio, straddles_one)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 15, 45])

@@ -27,13 +27,13 @@ def engine_modules() -> list[str]:
 
 
 def test_engine_imports_with_harness_and_hydra_blocked():
-    """Every engine module imports in a fresh interpreter where `specter.harness`, `hydra` and
-    `omegaconf` cannot be imported."""
+    """Every engine module imports in a fresh interpreter where the app's rooms (`specter.assembly`,
+    `specter.records`, `specter.experiments`), `hydra` and `omegaconf` cannot be imported."""
     code = f"""
 import importlib, importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        for banned in ("specter.harness", "hydra", "omegaconf"):
+        for banned in ("specter.assembly", "specter.records", "specter.experiments", "hydra", "omegaconf"):
             if name == banned or name.startswith(banned + "."):
                 raise ImportError(f"engine module imported {{name}}")
         return None
@@ -48,7 +48,8 @@ print("ok")
 
 # ------------------------------------------------------------------------------------ the import graph
 # The app: what assembles, runs, serves and reports; the engine reaches none of it, however indirectly.
-APP = ("specter.harness", "specter.serve", "specter.cli", "specter.api", "specter.reproduce", "specter.figures",
+ROOMS = ("specter.assembly", "specter.records", "specter.experiments")
+APP = ROOMS + ("specter.serve", "specter.cli", "specter.api", "specter.reproduce", "specter.figures",
        "baselines")
 ENGINE = tuple(f"specter.{m}" for m in ENGINE_PACKAGES + ENGINE_MODULES) + (
     "specter.projection.clock", "specter.projection.cost_model")  # the projection's torch-free clock and costs
@@ -157,23 +158,73 @@ def test_an_indirect_path_to_the_app_is_caught(tmp_path):
         "specter/models/trainer.py": "def check():\n    from specter.tool import report\n    return report()\n",
         "specter/models/clean.py": "from specter.paths import x\n",
         "specter/paths.py": "x = 1\n",
-        "specter/tool.py": "from specter import paths\n\ndef report():\n    from specter.harness.compose import CONF\n",
-        "specter/harness/__init__.py": "",
-        "specter/harness/compose.py": "CONF = 1\n",
+        "specter/tool.py": "from specter import paths\n\ndef report():\n    from specter.assembly.compose import CONF\n",
+        "specter/assembly/__init__.py": "",
+        "specter/assembly/compose.py": "CONF = 1\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     leaks = paths_to(import_graph(tmp_path, ("specter",)), ENGINE, APP)
-    assert leaks == {"specter.models.trainer": ["specter.models.trainer", "specter.tool", "specter.harness.compose"]}
+    assert leaks == {"specter.models.trainer": ["specter.models.trainer", "specter.tool", "specter.assembly.compose"]}
     graph = {"specter.offload.cache": {"specter.metrics"}, "specter.metrics": {"specter.util"},
              "specter.util": {"specter.util2"}, "specter.util2": {"baselines.common"}}
     assert paths_to(graph, ENGINE, APP)["specter.offload.cache"][-1] == "baselines.common"
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+# ------------------------------------------------------------------------------------ the app's rooms
+# Three rooms, imports one way: experiments -> records -> assembly (and experiments -> assembly). The
+# projection's drivers sit beside records: they build methods (assembly) and never run an experiment.
+# The front doors (serve, the command line, the Python API) and the baselines enter through assembly only.
+BELOW = {
+    "specter.assembly": ("specter.records", "specter.experiments", "specter.projection.engine_run",
+                         "specter.projection.steps", "specter.reproduce", "specter.figures", "specter.serve",
+                         "specter.api", "specter.cli"),
+    "specter.records": ("specter.experiments", "specter.reproduce", "specter.figures", "specter.serve"),
+    "specter.projection": ("specter.experiments", "specter.reproduce", "specter.figures", "specter.serve"),
+    "specter.serve": ("specter.records", "specter.experiments"),
+    "specter.cli": ("specter.records", "specter.experiments"),
+    "specter.api": ("specter.records", "specter.experiments"),
+    "baselines": ("specter.records", "specter.experiments", "specter.serve", "specter.cli", "specter.api"),
+}
+
+
+def direct_violations(graph: dict[str, set[str]], rules: dict[str, tuple[str, ...]]) -> list[str]:
+    return sorted(f"{mod} -> {dep}" for mod, deps in graph.items() for room, banned in rules.items()
+                  if _within(mod, (room,)) for dep in deps if _within(dep, banned))
+
+
+def test_rooms_import_one_way():
+    """assembly imports neither records nor experiments; records never imports experiments; serve, the
+    command line, the Python API and the baselines import only assembly among the rooms. Transitively:
+    a room that reaches a higher one through any other module fails too."""
+    graph = import_graph()
+    assert not direct_violations(graph, BELOW), direct_violations(graph, BELOW)
+    for room, banned in BELOW.items():
+        leaks = paths_to(graph, (room,), banned)
+        assert not leaks, "\n".join(" -> ".join(path) for path in leaks.values())
+
+
+def test_each_room_is_under_2500_lines():
+    for room in ROOMS:
+        folder = REPO / room.replace(".", "/")
+        lines = sum(len(p.read_text().splitlines()) for p in folder.rglob("*.py"))
+        assert 0 < lines < 2500, f"{room}: {lines} lines"
+    assert not (REPO / "specter" / "harness").exists()
+
+
+def test_a_room_reaching_up_is_caught():
+    graph = {"specter.assembly.methods": {"specter.util"}, "specter.util": {"specter.records.output"},
+             "specter.records.output": set(), "specter.serve.app": {"specter.assembly.config"}}
+    assert paths_to(graph, ("specter.assembly",), BELOW["specter.assembly"]) == {
+        "specter.assembly.methods": ["specter.assembly.methods", "specter.util", "specter.records.output"]}
+    assert direct_violations({"specter.serve.app": {"specter.experiments.batch"}}, BELOW) == [
+        "specter.serve.app -> specter.experiments.batch"]
+
+
 # ------------------------------------------------------------------------------------ public names only
-SCANNED = ("baselines", "specter/harness")  # methods are assembled from the engine's public extension points
+SCANNED = ("baselines", "specter/assembly", "specter/records", "specter/experiments")  # methods are assembled from the engine's public extension points
 OTHER_LIBRARIES = ("torch", "sys", "os", "np", "F", "importlib", "tqdm", "plt", "pd")
 
 
@@ -231,7 +282,7 @@ def _overrides(mod: str, path: Path) -> list[str]:
 
 
 def test_baselines_and_harness_use_only_public_engine_names():
-    """No module under baselines/ or specter/harness/ imports, reads, writes or overrides an
+    """No module under baselines/ or the app's rooms imports, reads, writes or overrides an
     underscore name of another specter module: methods are a spec plus the public pieces they swap
     (drafter, planner, expert filter), never a subclass reaching into private hooks."""
     problems = {}

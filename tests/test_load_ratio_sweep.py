@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import FIXTURES, compose
-from specter.harness import cli as cli_mod
-from specter.harness.config import ConfigError
-from specter.harness.load_ratio_sweep import cell_config, sweep_settings
+from specter.experiments import cli as cli_mod
+from specter.assembly.config import ConfigError
+from specter.experiments.load_ratio_sweep import cell_config, sweep_settings
 
 
 def test_defaults_are_the_issue_grid():

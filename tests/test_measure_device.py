@@ -46,7 +46,7 @@ def test_device_file_is_exact_bytes(tmp_path):
 
 
 def test_project_runs_on_a_measured_device_file(tmp_path, capsys):
-    from specter.harness.experiments import run_experiment
+    from specter.experiments.dispatch import run_experiment
 
     path = _write(tmp_path)
     run_experiment(compose(["experiment=project", "model=dsv2", "project.routes=independent", "project.tokens=4",

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from specter.harness.compose import compose
-from specter.harness.plan import PAPER_JOBS, format_plan, plan_rows
+from specter.assembly.compose import compose
+from specter.assembly.plan import plan_rows
+from specter.experiments.plan import PAPER_JOBS, format_plan
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 P, N = 16, 128  # the protocol's prefix and new tokens
@@ -209,7 +210,7 @@ def test_packed_layout_bytes_equal_quantized_experts():
 def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
     """`run.py ... experiment=plan` in process: no weights anywhere, plan.csv written; a bad GPU size is
     one line on stderr, exit 2."""
-    from specter.harness.cli import main
+    from specter.experiments.cli import main
 
     assert main(["model=dsv2", "memory=low", "hardware=cuda", "experiment=plan", f"output_dir={tmp_path}",
                  "model.local_dir=/nonexistent"]) == 0

@@ -1,4 +1,4 @@
-"""Each method's facts are declared once, on its registry line (specter/harness/runners.py), and every place
+"""Each method's facts are declared once, on its registry line (specter/assembly/runners.py), and every place
 that lists methods asks the registry: a new method is its YAML, its class (with its schema) and one registry
 line, and the plan, the projection and the reproduction driver all see it."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from specter.harness.methods import Method, OffloadAR
-from specter.harness.runners import (MethodFacts, is_method, known_runners, method_facts, method_names,
+from specter.assembly.methods import Method, OffloadAR
+from specter.assembly.runners import (MethodFacts, is_method, known_runners, method_facts, method_names,
                                      register_method, unregister_method)
-from specter.harness.schema import METHOD_SCHEMAS, OffloadMethodConfig, register_method_schema
+from specter.assembly.schema import METHOD_SCHEMAS, OffloadMethodConfig, register_method_schema
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def toy(tmp_path, monkeypatch):
     (repo / "conf" / "method" / "toy.yaml").write_text(TOY_YAML.format(runner=TOY.runner))
     register_method_schema("toy", ToyMethodConfig)
     register_method("toy", TOY)
-    import specter.harness.compose as compose
+    import specter.assembly.compose as compose
 
     monkeypatch.setattr(compose, "CONF_DIR", repo / "conf")
     yield repo
@@ -106,9 +106,9 @@ def test_the_groups_the_name_tuples_held():
 def test_a_toy_method_in_three_places_is_seen_everywhere(toy):
     """The toy's YAML, class (with schema) and registry line are all it takes: the config composes and builds
     through the registry, and the plan, the projection, the load-ratio sweep and the reproduction driver list it."""
-    from specter.harness.compose import compose
-    from specter.harness.load_ratio_sweep import linkless
-    from specter.harness.plan import plan_rows
+    from specter.assembly.compose import compose
+    from specter.experiments.load_ratio_sweep import linkless
+    from specter.assembly.plan import plan_rows
     from specter.projection.engine_run import proxy_overrides
     from specter.projection.steps import check_project
     from specter.reproduce.datasets import decide
@@ -145,8 +145,8 @@ def test_a_toy_method_in_three_places_is_seen_everywhere(toy):
 
 def test_a_toy_method_builds_through_the_registry(toy, tiny_checkpoint):
     """`build_method` instantiates the toy from its registry line; its facts are its class's."""
-    from specter.harness.compose import compose
-    from specter.harness.methods import build_method
+    from specter.assembly.compose import compose
+    from specter.assembly.methods import build_method
 
     cfg = compose(["model=tiny_dsv2", "method=toy", "hardware=cpu", "memory=high"])
     method = build_method(cfg, tiny_checkpoint("tiny_dsv2"))
@@ -172,7 +172,7 @@ def test_no_module_level_tuple_of_method_names():
     methods = set(method_names())
     packages = {"specter", "transformers"}
     assignment = re.compile(r"^[A-Z_]+\s*(:[^=]*)?=\s*(\(|\[|\{|frozenset\()")
-    skip = {REPO / "specter" / "harness" / "runners.py"}
+    skip = {REPO / "specter" / "assembly" / "runners.py"}
     found = []
     for root in ("specter", "baselines"):
         for path in sorted((REPO / root).rglob("*.py")):
@@ -228,8 +228,8 @@ def test_nothing_assigns_to_a_built_method_or_engine_from_outside():
 def test_instruments_reach_the_runtime_and_every_engine(tiny_checkpoint):
     """`build_method(..., instruments=)` installs the link and meter on the runtime and the clocks on the engines,
     those built later included; with none, the method keeps its own."""
-    from specter.harness.compose import compose
-    from specter.harness.methods import build_method
+    from specter.assembly.compose import compose
+    from specter.assembly.methods import build_method
     from specter.offload.instruments import Instruments
     from specter.offload.link import ImmediateLink
 

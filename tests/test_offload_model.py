@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import TINY_MODELS, compose
 from specter.offload.budget import BudgetError
-from specter.harness.methods import build_method
+from specter.assembly.methods import build_method
 from specter.models.loading import load_full_model
 from specter.models.loading import WeightError, load_offloaded
 from specter.moe import MoERuntime, TargetExecutor

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specter.harness.paired import PairedRatio, paired_ratio, paired_ratio_median_reference
+from specter.records.paired import PairedRatio, paired_ratio, paired_ratio_median_reference
 
 
 def test_hand_computed_medians():
@@ -86,7 +86,7 @@ def _records():
 
 
 def test_comparison_table_adds_paired_columns():
-    from specter.harness.compare import comparison_table
+    from specter.experiments.compare import comparison_table
 
     rec = _records()
     t = comparison_table(rec).set_index("method")
@@ -104,14 +104,14 @@ def test_comparison_table_adds_paired_columns():
 
 
 def test_comparison_table_without_the_baseline_has_no_pairs():
-    from specter.harness.compare import comparison_table
+    from specter.experiments.compare import comparison_table
 
     t = comparison_table(_records().query("method == 'specter'")).set_index("method")
     assert t.loc["specter", "prompts"] == 0 and pd.isna(t.loc["specter", "speedup_paired_median"])
 
 
 def test_printed_table_shows_the_paired_interval(capsys):
-    from specter.harness.compare import comparison_table, print_comparison
+    from specter.experiments.compare import comparison_table, print_comparison
 
     t = comparison_table(_records())
     print_comparison(t, title="t")
@@ -123,7 +123,7 @@ def test_printed_table_shows_the_paired_interval(capsys):
 
 def test_printed_table_keeps_every_header_and_cell_whole(capsys):
     """Sixteen columns must not fold a header over two lines or cut a cell to `…` (CI greps for 'TPOT ms')."""
-    from specter.harness.compare import _HEADERS, print_comparison
+    from specter.experiments.compare import _HEADERS, print_comparison
 
     cols = ["records", "tpot_ms", "speedup_vs_offload_ar", "speedup_paired_median", "prompts", "acceptance_alpha",
             "tokens_per_iteration", "h2d_mb_per_token", "h2d_over_oracle", "hit_rate",

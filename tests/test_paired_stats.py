@@ -1,7 +1,7 @@
 """Paired speedups at the right unit: the prompt, not the record.
 
 The repeats of a prompt decode the same tokens; they time one sample again. The statistics
-(specter.harness.paired.paired_by_prompt, behind both the CLI comparison table and the headline
+(specter.records.paired.paired_by_prompt, behind both the CLI comparison table and the headline
 table) summarise each (method, prompt) by the median over its repeats, pair by prompt, bootstrap
 over prompts, and leave flagged records out (counted).
 """
@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specter.harness.paired import bootstrap_indices, paired_by_prompt, paired_ratio
+from specter.records.paired import bootstrap_indices, paired_by_prompt, paired_ratio
 
 
 def _identical_repeats(repeats: int, prompts: int = 9) -> pd.DataFrame:
@@ -149,7 +149,7 @@ def _as_records(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def test_cli_comparison_uses_the_same_prompt_level_statistic():
-    from specter.harness.compare import comparison_table
+    from specter.experiments.compare import comparison_table
 
     g = _grid().query("model == 'tiny_qwen' and memory == 'low'")
     t = comparison_table(_as_records(g)).set_index("method")
@@ -162,7 +162,7 @@ def test_cli_comparison_uses_the_same_prompt_level_statistic():
 
 
 def test_a_straddling_cli_cell_says_so(capsys):
-    from specter.harness.compare import comparison_table, print_comparison
+    from specter.experiments.compare import comparison_table, print_comparison
 
     rows = [{"method": m, "dataset": "gsm8k", "prompt_index": p, "repeat": 0, "tpot_ms": t, "output_digest": "x"}
             for p, (a, b) in enumerate([(10, 9), (10, 11), (10, 10.5), (10, 9.5)])

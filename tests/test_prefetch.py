@@ -8,7 +8,7 @@ import torch
 
 from conftest import TINY_MODELS, compose
 from specter.speculative.autoregressive import generate_autoregressive
-from specter.harness.methods import build_method
+from specter.assembly.methods import build_method
 from specter.models.loading import load_full_model
 from specter.speculative.sampling import SamplingParams
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, REPO, cli_in_process, run_cli
-from specter.harness import run as run_mod
+from specter.experiments import run as run_mod
 
 ASSETS = FIXTURES / "datasets"
 BASE = ["model=tiny_qwen", "num_prompts=1", "max_new_tokens=2", "warmup_tokens=0", "progress=false",
@@ -41,8 +41,8 @@ def no_model(monkeypatch):
 
 # -- 1. a method's identity is its registered runner -----------------------------------------------
 @pytest.mark.parametrize("method,runner", [
-    ("specter", "specter.harness.methods:TargetOnly"),  # would save target-only records as method=specter
-    ("offload_ar", "specter.harness.methods:Specter"),  # died in a ValueError after the model loaded
+    ("specter", "specter.assembly.methods:TargetOnly"),  # would save target-only records as method=specter
+    ("offload_ar", "specter.assembly.methods:Specter"),  # died in a ValueError after the model loaded
 ])
 def test_a_runner_under_another_methods_name_is_refused(method, runner, no_model, tmp_path, capsys):
     rc, out, err = cli_in_process([*BASE, f"method={method}", f"method.runner={runner}",
@@ -52,8 +52,8 @@ def test_a_runner_under_another_methods_name_is_refused(method, runner, no_model
 
 
 def test_a_new_method_name_may_take_a_registered_runner(monkeypatch, tmp_path):
-    from specter.harness.compose import compose
-    from specter.harness.config import validate
+    from specter.assembly.compose import compose
+    from specter.assembly.config import validate
 
     validate(compose([*BASE, "method=target_only", "method.name=my_target", f"output_dir={tmp_path}"]))
 
@@ -93,8 +93,8 @@ def test_resume_refuses_a_damaged_or_edited_env_json(damage, tmp_path, capsys):
 
 
 def test_resume_refuses_another_environment_naming_the_keys(tmp_path):
-    from specter.harness.config import ConfigError
-    from specter.harness.output import check_environment, environment_info
+    from specter.assembly.config import ConfigError
+    from specter.records.output import check_environment, environment_info
 
     now = environment_info()
     was = json.loads(json.dumps(now))
@@ -116,8 +116,8 @@ def test_plus_keys_outside_the_schema_are_refused(no_model, tmp_path, capsys):
 
 
 def test_plus_keys_the_schema_declares_still_work():
-    from specter.harness.compose import compose
-    from specter.harness.config import unknown_keys
+    from specter.assembly.compose import compose
+    from specter.assembly.config import unknown_keys
 
     assert unknown_keys(compose(["+memory.resident_experts=3", "method=specter", "+method.planner.ema=0.5"])) == []
     assert unknown_keys(compose([])) == []
@@ -140,8 +140,8 @@ def test_checkpoint_routing_more_experts_than_it_has(tiny_checkpoint, no_model, 
     config = json.loads((ckpt / "config.json").read_text())
     config["num_experts_per_tok"] = 100
     (ckpt / "config.json").write_text(json.dumps(config))
-    from specter.harness.compose import compose
-    from specter.harness.config import ConfigError, bind_checkpoint
+    from specter.assembly.compose import compose
+    from specter.assembly.config import ConfigError, bind_checkpoint
 
     with pytest.raises(ConfigError, match="num_experts_per_tok=100"):
         bind_checkpoint(compose([*BASE, f"output_dir={tmp_path}"]), ckpt)
@@ -211,15 +211,15 @@ def test_quiet_wrong_answers_are_refused(override, needle, no_model, tmp_path, c
 
 
 def test_the_largest_seed_is_taken_exactly(tmp_path):
-    from specter.harness.compose import compose
-    from specter.harness.config import validate
+    from specter.assembly.compose import compose
+    from specter.assembly.config import validate
 
     validate(compose([*BASE, f"seed={2**31 - 1}", f"output_dir={tmp_path}"]))
     assert len({run_mod.record_seed(b, "gsm8k", 0, 0) for b in range(0, 2**31, 2**27)}) == 16  # distinct bases
 
 
 def test_an_empty_method_list_is_refused(tmp_path, capsys, monkeypatch):
-    from specter.harness import compare
+    from specter.experiments import compare
 
     monkeypatch.setattr(compare, "run", lambda cfg: pytest.fail("a method ran"), raising=False)
     rc, out, err = cli_in_process(["experiment=compare", "compare.methods=[]", *BASE[1:],

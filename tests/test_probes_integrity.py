@@ -13,9 +13,9 @@ import pytest
 
 from conftest import REPO
 from specter.figures.data import ResultSet, manifest
-from specter.harness.artifacts import SideTables
-from specter.harness.records import RecordWriter, token_digest
-from specter.harness.run import repair_side_tables
+from specter.records.artifacts import SideTables
+from specter.records.records import RecordWriter, token_digest
+from specter.experiments.run import repair_side_tables
 
 BASE_KEY = {"method": "specter", "model": "tiny_qwen", "memory": "low"}
 

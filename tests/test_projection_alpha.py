@@ -71,7 +71,7 @@ def test_parse_draft():
 
 @pytest.fixture(scope="module")
 def curve():
-    from specter.harness.project import method_slots
+    from specter.experiments.project import method_slots
     from specter.projection.cost_model import cost_model
     from specter.projection.steps import Proxy, alpha_step
 
@@ -97,7 +97,7 @@ def test_the_alpha_curve_has_a_row_per_method_and_draft(curve):
 def test_an_installed_draft_is_the_one_the_engine_drafts_with(curve):
     """After install_draft(rtn2g32) the draft table the engine reads (the shared instance's for Specter, the
     separate instance's for SpecMoEOff) computes what the 2-bit layers compute, not what the 4-bit draft did."""
-    from specter.harness.methods import build_method
+    from specter.assembly.methods import build_method
     from specter.projection.drafts import install_draft, parse_draft, quantize_layer
     from specter.quant.draft import build_draft, draft_forward, layer_weights
 

@@ -15,7 +15,7 @@ FAST = ["experiment=project", "model=dsv2", "memory=high", "project.quant=rtn", 
 
 @pytest.fixture(scope="module")
 def batch():
-    from specter.harness.project import method_slots
+    from specter.experiments.project import method_slots
     from specter.projection.cost_model import cost_model
     from specter.projection.steps import Proxy, batch_step
 
@@ -68,7 +68,7 @@ def test_each_request_keeps_its_B1_output(batch):
 
 
 def test_batch_vs_paper_sets_each_claim_beside_the_projected_ratio():
-    from specter.harness.project import batch_vs_paper, paper_claims
+    from specter.experiments.project import batch_vs_paper, paper_claims
 
     def row(method, B, tpot, tput, ws):
         return {"method": method, "batch_size": str(B), "tpot_ms": str(tpot), "throughput_tok_s": str(tput),

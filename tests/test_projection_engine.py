@@ -23,7 +23,7 @@ FAST = ["experiment=project", "project.prompts=1", "project.new_tokens=10", "pro
 @pytest.fixture(scope="module")
 def dsv2_high():
     """All seven methods projected once for dsv2 at the high tier (untrained or trained proxy, as present)."""
-    from specter.harness.project import project_rows
+    from specter.experiments.project import project_rows
 
     return project_rows(compose([*FAST, "model=dsv2", "memory=high"]))
 
@@ -98,8 +98,8 @@ def test_a_slot_is_never_reused_before_its_copy_lands(dsv2_high, name):
 
 def _run_one(method: str, memory: str, device, prompts, new_tokens: int):
     """One method on the proxy of dsv2 at the real model's slots, on `device`."""
-    from specter.harness.project import method_slots
-    from specter.harness.runtime import model_checkpoint
+    from specter.experiments.project import method_slots
+    from specter.assembly.runtime import model_checkpoint
     from specter.models.tiny import tiny_dir
     from specter.projection.cost_model import CostModel, real_shape
     from specter.projection.engine_run import proxy_overrides, run_method
@@ -157,7 +157,7 @@ def test_engine_offload_ar_agrees_with_the_replay_of_its_own_routes(memory):
 
 
 def test_two_runs_write_identical_csvs(tmp_path):
-    from specter.harness.experiments import run_experiment
+    from specter.experiments.dispatch import run_experiment
 
     args = [*FAST, "model=qwen15moe", "memory=low", "project.methods=[offload_ar,specter]"]
     a = run_experiment(compose([*args, f"output_dir={tmp_path / 'a'}"]))
@@ -199,7 +199,7 @@ def test_specter_keeps_window_residency_and_the_baselines_lru(dsv2_high):
 
 
 def test_copy_bound_check_prints_specters_floor_beside_each_rival(dsv2_high):
-    from specter.harness.project import format_projection
+    from specter.experiments.project import format_projection
 
     text = format_projection(*dsv2_high)
     assert "copy-bound check" in text and "Specter floor ms" in text

@@ -15,7 +15,7 @@ FAST = ["experiment=project", "project.tokens=8", "progress=false", "project.met
 
 
 def _run(tmp_path, overrides, capsys=None):
-    from specter.harness.experiments import run_experiment
+    from specter.experiments.dispatch import run_experiment
 
     out = run_experiment(compose([*FAST, *overrides, f"output_dir={tmp_path}"]))
     return (out / "projection.csv").read_bytes()
@@ -67,7 +67,7 @@ def test_project_replays_the_proxy_routes(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_project_refuses_proxy_routes_without_a_checkpoint(tmp_path, monkeypatch):
-    from specter.harness.config import ConfigError
+    from specter.assembly.config import ConfigError
 
     monkeypatch.setenv("SPECTER_HOME", str(tmp_path / "home"))
     with pytest.raises(ConfigError, match="no proxy checkpoint"):
@@ -75,7 +75,7 @@ def test_project_refuses_proxy_routes_without_a_checkpoint(tmp_path, monkeypatch
 
 
 def test_independent_routes_are_distinct_top_k():
-    from specter.harness.project import independent_routes
+    from specter.experiments.project import independent_routes
 
     routes = independent_routes(3, 16, 2, 5, seed=0)
     assert len(routes) == 5 and all(len(set(step[layer])) == 2 for step in routes for layer in range(3))

@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from specter.harness.project import BATCH_VS_PAPER_FIELDS, CSV_FIELDS, TIMELINE_FIELDS
+from specter.experiments.project import BATCH_VS_PAPER_FIELDS, CSV_FIELDS, TIMELINE_FIELDS
 
 A100, H200 = "A100 40 GB, PCIe 4.0 x16", "H200, PCIe 5.0 x16"
 

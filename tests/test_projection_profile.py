@@ -17,7 +17,7 @@ FAST = ["experiment=project", "model=dsv2", "memory=high", "project.prompts=1", 
 
 @pytest.fixture(scope="module")
 def profiled():
-    from specter.harness.project import project_rows
+    from specter.experiments.project import project_rows
 
     return project_rows(compose(FAST))
 
@@ -47,7 +47,7 @@ def test_the_profiled_row_runs_the_fastest_K_of_the_set(profiled):
 
 
 def test_the_table_names_device_and_draft(profiled):
-    from specter.harness.project import format_profiles, format_projection
+    from specter.experiments.project import format_profiles, format_projection
 
     rows, facts = profiled
     text = format_projection(rows, facts)
@@ -102,7 +102,7 @@ def test_a_swapped_K_projects_what_a_method_built_at_that_K_does(profiled):
     ("project.batch_sizes=[]", "project.batch_sizes must be a non-empty list"),
 ])
 def test_bad_project_keys_are_one_clear_line(override, message):
-    from specter.harness.config import ConfigError
+    from specter.assembly.config import ConfigError
     from specter.projection.steps import check_project
 
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

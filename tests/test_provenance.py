@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import compose
-from specter.harness import cli
+from specter.experiments import cli
 from specter.models import tiny
 from specter.models.registry import checkpoint_digest
 
@@ -106,7 +106,7 @@ def replaced_weights(tmp_path, tiny_checkpoint):
 
 
 def test_draft_and_link_caches_are_keyed_by_weights(replaced_weights, monkeypatch, tmp_path):
-    from specter.harness import runtime
+    from specter.assembly import runtime
     from specter.quant import calibration
 
     src, copy = replaced_weights

@@ -11,10 +11,10 @@ import subprocess
 import pandas as pd
 import pytest
 
-from specter.harness import rowstore
-from specter.harness import cli
-from specter.harness.records import COLUMNS, REJECTED_NAME, RecordsError, RecordWriter, read_records, token_digest
-from specter.harness.summary import write_summary
+from specter.records import rowstore
+from specter.experiments import cli
+from specter.records.records import COLUMNS, REJECTED_NAME, RecordsError, RecordWriter, read_records, token_digest
+from specter.records.summary import write_summary
 
 RUN = ["method=target_only", "model=tiny_qwen", "dataset=humaneval", "num_prompts=4", "max_new_tokens=4",
        "warmup_tokens=0", "progress=false", "assets_dir=/nonexistent", "allow_hub=false"]  # the bundled HumanEval

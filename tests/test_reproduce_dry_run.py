@@ -215,8 +215,8 @@ def test_narrowed_dataset_composes_and_validates(tmp_path):
     """The comma list reaches the run's config as dataset.name and passes validation."""
     from conftest import compose
 
-    from specter.harness.config import validate
-    from specter.harness.datasets import expand_datasets
+    from specter.assembly.config import validate
+    from specter.datasets import expand_datasets
 
     steps, _ = dry_run(tmp_path, QUICK="1", ASSETS=str(assets_with(tmp_path, "c4", "gsm8k")),
                        DATASET="c4,gsm8k,gpqa", MODELS="tiny_qwen", TIERS="high", METHODS="offload_ar")
@@ -289,7 +289,7 @@ def test_moe_spec_shares_specters_k_profile(tmp_path, launcher):
     else:
         from conftest import compose
 
-        from specter.harness.cell import method_config
+        from specter.experiments.cell import method_config
 
         for tier in ("high", "low"):
             profile = f"k_profile={out}/k_sweep/tiny_qwen-{tier}-emulated/k_profile.json"
@@ -307,7 +307,7 @@ def test_moe_spec_shares_specters_k_profile(tmp_path, launcher):
 
 def test_bare_clone_runs_on_the_offline_bundle(tmp_path):
     """No assets at all: the datasets the repository bundles (initialization/assets) are what the runs use."""
-    from specter.harness.datasets import bundle_manifest
+    from specter.datasets import bundle_manifest
 
     bundled = [n for n in ("c4", "wikitext2", "humaneval", "gsm8k", "gpqa") if n in bundle_manifest()]
     empty = tmp_path / "empty"

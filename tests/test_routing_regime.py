@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import compose
 
-from specter.harness.methods import build_method
-from specter.harness.run import environment_of, model_routing
+from specter.assembly.methods import build_method
+from specter.experiments.run import environment_of, model_routing
 from specter.metrics import hit_rate, independent_working_set, step_windows, window_routing
 from specter.moe import RouteLog
 

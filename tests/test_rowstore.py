@@ -10,11 +10,11 @@ import os
 import pandas as pd
 import pytest
 
-from specter.harness import batch as batch_mod
-from specter.harness import rowstore
-from specter.harness.artifacts import ROUTES, TRACE, SideTables
-from specter.harness.batch import BATCH_COLUMNS, BATCH_SCHEMA, BatchTable
-from specter.harness.rowstore import RowStore, RowStoreError, read_frame, read_table
+from specter.experiments import batch as batch_mod
+from specter.records import rowstore
+from specter.records.artifacts import ROUTES, TRACE, SideTables
+from specter.experiments.batch import BATCH_COLUMNS, BATCH_SCHEMA, BatchTable
+from specter.records.rowstore import RowStore, RowStoreError, read_frame, read_table
 
 
 def batch_row(ds: str = "humaneval", repeat: int = 0, **extra) -> dict:

@@ -8,7 +8,7 @@ from conftest import compose
 
 
 def test_routes_and_trace_are_written_per_record(tiny_checkpoint, tmp_path):
-    from specter.harness.run import run
+    from specter.experiments.run import run
 
     tiny_checkpoint("tiny_dsv2")
     out = tmp_path / "run"

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from conftest import FIXTURES, run_cli
-from specter.harness.records import COLUMNS
+from specter.records.records import COLUMNS
 
 ASSETS = f"assets_dir={FIXTURES / 'datasets'}"
 FAST = ["num_prompts=2", "repeats=1", "max_new_tokens=6", "warmup_tokens=2", "progress=false", ASSETS]

@@ -9,16 +9,16 @@ import pandas as pd
 import pytest
 
 from conftest import REPO, run_cli
-from specter.harness import cli
-from specter.harness.records import KEY_COLUMNS
+from specter.experiments import cli
+from specter.records.records import KEY_COLUMNS
 
 RUN = ["method=target_only", "model=tiny_qwen", "dataset=humaneval", "num_prompts=3", "max_new_tokens=4",
        "warmup_tokens=0", "progress=false", "assets_dir=/nonexistent", "allow_hub=false"]
 
 HOLDER = """
 import sys, time
-from specter.harness.compose import compose
-from specter.harness.output import run_folder
+from specter.assembly.compose import compose
+from specter.records.output import run_folder
 with run_folder(compose(sys.argv[1:])):
     print("locked", flush=True)
     time.sleep(120)

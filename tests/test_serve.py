@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from specter.harness.methods import build_method  # noqa: E402
+from specter.assembly.methods import build_method  # noqa: E402
 from specter.serve.app import ChatMessage, chat_prompt  # noqa: E402
 from specter.serve.build import compose_checked, load  # noqa: E402
 from specter.serve.loop import Job, QueueFull, ServingLoop  # noqa: E402
@@ -273,7 +273,7 @@ def test_models_health_metrics(specter_server, client):
 
 
 def test_tier_batch_is_the_memory_plans_number(specter_server):
-    from specter.harness.batch import refusal
+    from specter.assembly.sizing import refusal
 
     _, served = specter_server
     B = served.max_batch

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import cli_in_process, compose
 
-from specter.harness.methods import build_method
+from specter.assembly.methods import build_method
 from specter.models.loading import load_full_model
 from specter.speculative.autoregressive import generate_autoregressive
 from specter.speculative.batched import BatchedAutoregressive

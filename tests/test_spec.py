@@ -8,8 +8,8 @@ import json
 import pytest
 from conftest import compose
 
-from specter.harness.config import ConfigError
-from specter.harness.runtime import method_spec
+from specter.assembly.config import ConfigError
+from specter.assembly.runtime import method_spec
 from specter.spec import MethodSpec
 
 LINK = ["hardware=emulated", "hardware.bandwidth_gbps=2", "hardware.latency_us=5"]

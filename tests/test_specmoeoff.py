@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import FIXTURES, TINY_MODELS, compose
 
-from specter.harness.config import ConfigError
-from specter.harness.methods import build_method
+from specter.assembly.config import ConfigError
+from specter.assembly.methods import build_method
 from specter.models.loading import load_full_model
 from specter.offload.budget import BudgetError
 from specter.speculative.autoregressive import generate_autoregressive
@@ -138,7 +138,7 @@ def test_K_source_default_profile_and_override(tiny_checkpoint, tmp_path):
 
 
 def test_k_sweep_profiles_specmoeoff_over_its_own_range(tiny_checkpoint, tmp_path):
-    from specter.harness.profile_k import profile_k
+    from specter.experiments.profile_k import profile_k
 
     tiny_checkpoint("tiny_dsv2")
     out = tmp_path / "sweep"
@@ -182,7 +182,7 @@ def test_another_methods_profile_is_refused(tiny_checkpoint, tmp_path):
 
 
 def test_a_bad_k_range_is_refused(tmp_path):
-    from specter.harness.profile_k import profile_k
+    from specter.experiments.profile_k import profile_k
 
     with pytest.raises(ConfigError, match="method.k_range"):
         profile_k(compose(["experiment=k_sweep", "method=specmoeoff", "model=tiny_dsv2", "method.k_range=[0,2]",
@@ -191,7 +191,7 @@ def test_a_bad_k_range_is_refused(tmp_path):
 
 def test_a_sweep_folder_holds_one_methods_sweep(tmp_path):
     """SpecMoEOff's sweep never resumes into (or overwrites) Specter's folder, nor the other way round."""
-    from specter.harness.profile_k import profile_k
+    from specter.experiments.profile_k import profile_k
 
     (tmp_path / "K=2").mkdir()
     (tmp_path / "K=2" / "config.yaml").write_text("method:\n  name: specter\n")

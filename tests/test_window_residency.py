@@ -255,7 +255,7 @@ def test_the_load_efficiency_benchmark_measures_the_trained_proxies_on_the_calib
     import importlib.util
     from pathlib import Path
 
-    from specter.harness.config import load_ratio_of
+    from specter.assembly.config import load_ratio_of
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "bench_load_efficiency.py"
     spec = importlib.util.spec_from_file_location("bench_load_efficiency", path)

@@ -2,7 +2,7 @@
 
 A *result set* is a folder searched recursively. Inside it:
 
-  records.csv          one row per generated sequence (specter/harness/records.py), beside the run's
+  records.csv          one row per generated sequence (specter/records/records.py), beside the run's
                        config.yaml; records under a `K=<k>` folder are K-sweep points (read through
                        k_sweep.csv), under a `B=<b>` folder batched requests (read through batch.csv),
                        under a `bench` folder side benchmarks (prefetch ablations), under a
@@ -19,9 +19,9 @@ A *result set* is a folder searched recursively. Inside it:
   load_ratio.csv       model,memory,method,load_ratio,tpot_ms,effective_load_ratio,... (experiment=load_ratio_sweep)
 
 The per-window side tables (routes, trace) are written gzip-compressed; either form is read, and
-a folder holding both counts once (the form specter.harness.artifacts.side_path names).
+a folder holding both counts once (the form specter.records.artifacts.side_path names).
 records.csv, batch.csv, routes.csv and trace.csv are read through the harness's validated row
-reader (specter/harness/rowstore.py), the same one the summaries use: a torn, non-UTF-8 or
+reader (specter/records/rowstore.py), the same one the summaries use: a torn, non-UTF-8 or
 non-numeric row is left out with a note naming its file and line, never read as data. Of routes
 and trace rows, only the last block of each record key counts, and only for records the folder's
 records.csv holds as finished. Other CSVs (written atomically by their scripts) and config.yaml
@@ -290,7 +290,7 @@ class ResultSet:
 
     def _side_files(self, name: str) -> list[Path]:
         """One file per folder of side table `name`: `<name>.gz` where it is found, else plain `<name>`
-        (the writer's choice, specter.harness.artifacts.side_path, when both exist)."""
+        (the writer's choice, specter.records.artifacts.side_path, when both exist)."""
         found = self.files(name, f"{name}.gz")
         gz = {p.parent for p in found if p.name.endswith(".gz")}
         return sorted(p for p in found if p.name.endswith(".gz") or p.parent not in gz)
@@ -327,8 +327,8 @@ def finite_rows(path: Path, df: pd.DataFrame) -> pd.DataFrame:
 
 
 def drifted_mask(records: pd.DataFrame) -> pd.Series:
-    """Records flagged for a drifted link (records.csv `load_ratio_off` = 1): specter.harness.paired.flagged_mask."""
-    from specter.harness.paired import flagged_mask
+    """Records flagged for a drifted link (records.csv `load_ratio_off` = 1): specter.records.paired.flagged_mask."""
+    from specter.records.paired import flagged_mask
 
     return flagged_mask(records)
 
@@ -340,9 +340,9 @@ def drifted_note(count: int) -> str:
 
 
 def _schemas() -> dict[str, Any]:
-    from specter.harness.artifacts import SIDE_TABLES
-    from specter.harness.batch_schema import BATCH_SCHEMA
-    from specter.harness.records import SCHEMA as RECORDS
+    from specter.records.artifacts import SIDE_TABLES
+    from specter.records.batch_schema import BATCH_SCHEMA
+    from specter.records.records import SCHEMA as RECORDS
 
     return {"records.csv": RECORDS, "batch.csv": BATCH_SCHEMA,
             **{f"{name}.csv": schema for name, schema in SIDE_TABLES.items()}}
@@ -362,7 +362,7 @@ def read_validated(path: Path) -> pd.DataFrame | None:
         except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError, OSError) as err:
             note(f"{path} could not be read ({type(err).__name__}); ignored")
             return None
-    from specter.harness.rowstore import RowStoreError, read_frame
+    from specter.records.rowstore import RowStoreError, read_frame
 
     try:
         df = read_frame(path, schema, warn=note, exact=False)
@@ -382,8 +382,8 @@ def read_validated(path: Path) -> pd.DataFrame | None:
 
 def finished_keys(records: Path, key: tuple[str, ...]) -> set[str] | None:
     """`key` of every finished record in a records.csv, as "a/b/c" strings (None: unreadable)."""
-    from specter.harness.records import SCHEMA as RECORDS
-    from specter.harness.rowstore import RowStoreError, read_table
+    from specter.records.records import SCHEMA as RECORDS
+    from specter.records.rowstore import RowStoreError, read_table
 
     try:
         table = read_table(records, RECORDS, warn=lambda msg: None, exact=False)

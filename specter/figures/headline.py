@@ -4,7 +4,7 @@ speedup = TPOT(method) / TPOT(specter) (> 1: Specter is faster), paired by promp
 TPOT on a prompt is the median over its timing repeats (the repeats decode the same tokens, so
 they are one sample), one ratio per prompt both measured (same dataset and prompt), and the table
 gives the median of those ratios with its percentile-bootstrap 95 % CI over prompts
-(specter.harness.paired.paired_by_prompt, seeded; the same code as the CLI comparison table).
+(specter.records.paired.paired_by_prompt, seeded; the same code as the CLI comparison table).
 `prompts` is the bootstrap's unit, `records` the records behind it, `flagged` the records of the
 two methods left out for a drifted link. `ci_straddles_1` marks a cell whose interval holds 1:
 there the prompts do not say which is faster.
@@ -34,7 +34,7 @@ from specter.figures.common import Output, Skip, order_methods
 from specter.figures.data import ResultSet, drifted_note
 from specter.figures.lossy import is_lossy, token_match
 from specter.figures.tpot_grid import CI_SEED, tpot_table
-from specter.harness.paired import flagged_mask, paired_by_prompt
+from specter.records.paired import flagged_mask, paired_by_prompt
 
 NAME = "table_headline_speedup"
 VERDICT = "table_verdict"
@@ -78,7 +78,7 @@ def speedup_table(tpot: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFram
 def paired_table(records: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
     """Per (model, memory, hardware, method): the median per-prompt paired ratio TPOT(method) / TPOT(reference),
     its 95 % CI over prompts, whether that CI holds 1, and the prompts, records and flagged records behind it
-    (specter.harness.paired.paired_by_prompt; flagged records in `records` are left out there and counted)."""
+    (specter.records.paired.paired_by_prompt; flagged records in `records` are left out there and counted)."""
     rows = []
     if "hardware" not in records.columns:
         records = records.assign(hardware="unknown")

@@ -1,7 +1,7 @@
 """Projected Figs. 15 and Table 3: batched decoding on the paper's machine, beside the paper's batching numbers.
 
 Input: `batch_projection.csv` and `batch_vs_paper.csv` as `python run.py experiment=project project.batch=true`
-writes them (per model x tier x device; `python -m specter.projection.grid --batch` for the grid). Per device
+writes them (per model x tier x device; `python -m specter.experiments.projection_grid --batch` for the grid). Per device
 file (suffix _<device> beside the A100's; hardware never shares a panel):
 
 fig15_projected_batch      one row per model: mean per-request TPOT against B, throughput against B (one line

@@ -3,7 +3,7 @@ clock (`experiment=project`), beside the paper's published TPOTs; and one projec
 
 Input: `projection.csv` and `timeline.csv` as `python run.py experiment=project` writes them
 (`results/project/<model>-<memory>-<device>/`, also searched when the result set has none;
-`python -m specter.projection.grid` writes all three models x both tiers). Only the engine rows
+`python -m specter.experiments.projection_grid` writes all three models x both tiers). Only the engine rows
 (`source=engine`) are drawn; the replay rows are a cross-check of offload_ar.
 
 fig14_projected_tpot       per real model, projected TPOT per tier and method (bars), the paper's TPOT
@@ -69,7 +69,7 @@ def _found(results: ResultSet, name: str) -> list[tuple[Path, pd.DataFrame]]:
 def projections(results: ResultSet) -> pd.DataFrame:
     frames = [df for _, df in _found(results, "projection.csv") if {"source", "tpot_ms", "method"} <= set(df.columns)]
     if not frames:
-        raise Skip("no projection.csv (run: python -m specter.projection.grid, or python run.py experiment=project)")
+        raise Skip("no projection.csv (run: python -m specter.experiments.projection_grid, or python run.py experiment=project)")
     df = pd.concat(frames, ignore_index=True)
     for col in ("k_source", "K", "draft", *LOAD_COLUMNS):
         if col not in df.columns:

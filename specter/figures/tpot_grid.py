@@ -2,7 +2,7 @@
 
 Statistics, per (model, tier, dataset, method). The prompt is the unit: the repeats of a prompt
 decode the same tokens, so each prompt's TPOT is the median over its timing repeats
-(specter.harness.paired.prompt_medians), and
+(specter.records.paired.prompt_medians), and
   median_ms        the median of those per-prompt TPOTs (the bar)
   ci_low_ms, ci_high_ms  percentile-bootstrap 95 % CI of that median, resampling prompts (the error
                    bar; seeded, so the same records always give the same interval)
@@ -33,7 +33,7 @@ from specter.figures.common import (Output, Skip, dataset_label, legend_above, m
     subplots)
 from specter.figures.data import ResultSet, drifted_note
 from specter.figures.lossy import lossy_label, token_match
-from specter.harness.paired import median_interval, prompt_medians
+from specter.records.paired import median_interval, prompt_medians
 
 CI_SEED = 0  # the bootstrap's seed: the same records always draw the same intervals
 

@@ -35,7 +35,7 @@ import pandas as pd
 
 from specter.figures.common import REAL_OF_TINY, base_method, method_label, order_models, order_tiers
 from specter.figures.labels import is_lossy as lossy_by_design
-from specter.harness.paired import flagged_mask, prompt_medians
+from specter.records.paired import flagged_mask, prompt_medians
 
 REFERENCE = "specter"
 NOT_OFFLOADING = ("target_only",)  # every expert resident: no offloading rival

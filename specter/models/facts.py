@@ -2,7 +2,7 @@
 
 These facts belong to the checkpoint, not to the run configuration: a model file under conf/model
 may leave them null (read here) or state them, and a stated value that contradicts the checkpoint
-is refused (`specter.harness.config.bind_checkpoint`). Presets measured on one checkpoint
+is refused (`specter.assembly.config.bind_checkpoint`). Presets measured on one checkpoint
 (MO-SM's slot counts) name the facts of that checkpoint and apply only where they all match.
 
 The config is read through transformers' own config class (`AutoConfig`), so a key the file leaves

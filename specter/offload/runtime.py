@@ -1,6 +1,6 @@
 """The offloading runtime one method decodes through: model, host store, link, cache, MoE mode, budget.
 
-Assembled once per method from its spec (`specter.harness.runtime.build_runtime`, then
+Assembled once per method from its spec (`specter.assembly.runtime.build_runtime`, then
 `final_runtime` at the final cache size); frozen: the engine only reads it.
 """
 
@@ -36,7 +36,7 @@ class Runtime:
     resident: int  # M: device slots per MoE layer
     weights_digest: str = ""
     decoder: Any = None  # the compact decoder over `model`'s tensors (decode_path=compact), else None
-    planned: Any = None  # slots and staging from the real model's plan (harness.real_plan.PlannedSlots), else None
+    planned: Any = None  # slots and staging from the real model's plan (assembly.real_plan.PlannedSlots), else None
 
     @property
     def model(self) -> torch.nn.Module:

@@ -177,7 +177,7 @@ def install_draft(method, spec: DraftSpec) -> None:
     separate draft instance, that one's); cached beside the method's own GPTQ draft."""
     from transformers import AutoTokenizer
 
-    from specter.harness.runtime import calibration_batches
+    from specter.assembly.runtime import calibration_batches
     from specter.paths import specter_home
     from specter.quant.calibration import calibration_digest
     from specter.quant.draft import build_draft

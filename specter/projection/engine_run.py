@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.runners import is_method, method_facts
+from specter.assembly.runners import is_method, method_facts
 from specter.projection.cost_model import CostModel
 from specter.projection.virtual import VirtualMachine, attach
 
@@ -135,7 +135,7 @@ class Session:
 def open_method(cfg: DictConfig, checkpoint: Path, cm: CostModel, prepare=None) -> Session:
     """Build `cfg.method` with the harness's builder and attach a fresh machine; `prepare(method)` runs before
     attaching (e.g. a draft of another precision, whose calibration must not be charged)."""
-    from specter.harness.methods import build_method
+    from specter.assembly.methods import build_method
 
     method = build_method(cfg, checkpoint)
     try:

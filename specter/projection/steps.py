@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError
-from specter.harness.runners import method_facts, method_names
+from specter.assembly.config import ConfigError
+from specter.assembly.runners import method_facts, method_names
 
-# Which methods each step takes, from the registry's facts (specter/harness/runners.py): the projected ones
+# Which methods each step takes, from the registry's facts (specter/assembly/runners.py): the projected ones
 # (in-process, built by `build_method`), the profilable ones (their design tunes K: SpecMoEOff's optimizer tunes its
 # draft length) and the batched ones (a batched loop on the virtual clock).
 
@@ -77,7 +77,7 @@ class Proxy:
 
     def config(self, method: str, K: int | None = None, quant: str | None = None) -> DictConfig:
         """`method` on the proxy at the real model's slots; K: a draft length other than the method's default."""
-        from specter.harness.compose import compose
+        from specter.assembly.compose import compose
         from specter.projection.engine_run import proxy_overrides
 
         p = self.cfg.project
@@ -94,7 +94,7 @@ class Proxy:
 
     @property
     def checkpoint(self):
-        from specter.harness.runtime import model_checkpoint
+        from specter.assembly.runtime import model_checkpoint
 
         if self._checkpoint is None:
             self._checkpoint = model_checkpoint(self.config("target_only"))

@@ -1,6 +1,6 @@
 """The dataset decision: run with the requested datasets that are present, or stop with one message.
 
-"Present" is what a run would find with the hub left out: `specter.harness.datasets.load_prompt_set`
+"Present" is what a run would find with the hub left out: `specter.datasets.load_prompt_set`
 with `allow_hub=False` (the same check `initialization/prepare_datasets.py` verifies its files with)
 reads the assets folder, then any copy the loader knows without a network (a bundled one). A
 dataset must yield as many prompts as the largest step asks of it; the batch steps may ask more than
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specter.harness.datasets import (
+from specter.datasets import (
     ABBREVIATIONS,
     DATASETS,
     SPECS,

@@ -43,8 +43,8 @@ def _csv_problem(path: Path) -> str | None:
 
 def _run_problem(folder: Path, datasets: tuple[str, ...]) -> str | None:
     """A run folder holds every record its config asks for, over the datasets the plan names."""
-    from specter.harness.datasets import expand_datasets
-    from specter.harness.output import finished_records
+    from specter.datasets import expand_datasets
+    from specter.records.output import finished_records
 
     if not folder.is_dir():
         return f"{folder} is missing"
@@ -66,7 +66,7 @@ def _run_problem(folder: Path, datasets: tuple[str, ...]) -> str | None:
 
 def recorded_datasets(folder: Path) -> tuple[str, ...] | None:
     """The datasets a run folder's config.yaml names, or None when it has no readable config."""
-    from specter.harness.datasets import expand_datasets
+    from specter.datasets import expand_datasets
 
     try:
         cfg = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
@@ -119,7 +119,7 @@ def check_problem(check: Check) -> str | None:
     if check.kind == "run":
         return _run_problem(check.path, check.datasets)
     if check.kind == "trace":
-        from specter.harness.artifacts import side_path
+        from specter.records.artifacts import side_path
 
         return _run_problem(check.path, check.datasets) or _csv_problem(side_path(check.path, "trace"))
     if check.kind == "k_sweep":

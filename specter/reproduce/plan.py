@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from specter.harness.runners import is_method
-from specter.harness.schema import SpecterMethodConfig
+from specter.assembly.runners import is_method
+from specter.assembly.schema import SpecterMethodConfig
 from specter.reproduce.datasets import DatasetDecision, dataset_overrides
 from specter.reproduce.protocol import protocol
 from specter.reproduce.settings import REPO, Settings
@@ -76,7 +76,7 @@ class Plan:
         return [s.name for s in self.steps]
 
 
-# Method groups are the registry's facts (specter/harness/runners.py), asked when a plan is built:
+# Method groups are the registry's facts (specter/assembly/runners.py), asked when a plan is built:
 #  reads_specter_profile: runs with the tier's profiled K (Specter, and MoE-Spec: verification-time budgeting on Specter)
 #  own_k_profile: profiles its own K (experiment=k_sweep method=<m>, over its method.k_range)
 #  out_of_process: an engine in a process of its own (a server): it cannot share a cell's process
@@ -273,7 +273,7 @@ def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
     if tiny and s.hardware != "cuda":  # the projection runs the tiny proxies on a virtual clock (no device)
         cells = s.results / "project"
         plan.add("project", "project",  # with the batching (Table 3's models, high tier) and α-curve steps
-                 [py, "-m", "specter.projection.grid", "--results", str(s.results), "--batch", "--alpha"],
+                 [py, "-m", "specter.experiments.projection_grid", "--results", str(s.results), "--batch", "--alpha"],
                  needs=tiny_needs,
                  checks=(*(Check("csv", cells / f"{r}-{t}-a100_40gb_pcie4" / "projection.csv")
                            for r in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low")),
@@ -290,7 +290,7 @@ def _cell_step(plan: Plan, s: Settings, model: str, tier: str, inside: list[str]
                trained: list[str], quick: list[str], main, data: DatasetDecision, needs,
                sweeps: dict[str, tuple[str, ...]]) -> None:
     """One main-grid cell (model x tier): the methods `inside` in one experiment=cell step, measured
-    interleaved record by record in one process (specter/harness/cell.py). Specter and MoE-Spec read
+    interleaved record by record in one process (specter/experiments/cell.py). Specter and MoE-Spec read
     Specter's K profile (k_profile=), a method with a profile of its own reads that (cell.k_profiles)."""
     if not inside:
         return

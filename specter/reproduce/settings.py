@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specter.harness.runners import is_method
+from specter.assembly.runners import is_method
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS = ("tiny_dsv2", "tiny_qwen", "tiny_phi")

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specter.harness.config import SEED_LIMIT
+from specter.assembly.config import SEED_LIMIT
 from specter.serve.build import Served
 from specter.serve.loop import Job, QueueFull, ServingLoop
 from specter.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -61,7 +61,7 @@ class _Sampling(BaseModel):
     # NaN and ±Infinity are refused here (Python's JSON reader accepts them), as run.py refuses them
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)  # the per-record seeds' range (harness/config.py)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)  # the per-record seeds' range (assembly/config.py)
     stream: bool = False
     n: int = 1
     stop: str | list[str] | None = None

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError
+from specter.assembly.config import ConfigError
 
 MAX_BATCH = 32  # the largest batch the batched decoders are tested at (tests/test_batched.py)
 
@@ -21,7 +21,7 @@ class Served:
 
     cfg: DictConfig
     checkpoint: Path
-    method: Any  # specter.harness.methods.Method
+    method: Any  # specter.assembly.methods.Method
     tokenizer: Any  # a transformers tokenizer
     context_length: int
     max_batch: int  # requests decoded together: the tier's largest fitting batch, at most MAX_BATCH
@@ -37,11 +37,11 @@ class Served:
 
 def compose_checked(overrides: list[str]) -> DictConfig:
     """The run configuration of `overrides`, refused with a one-line ConfigError as run.py refuses it."""
-    from specter.harness.cli import check_optional_groups
-    from specter.harness.compose import compose
-    from specter.harness.config import check_home, resident_experts, unknown_keys, validate
-    from specter.harness.errors import composition_error
-    from specter.harness.runtime import device_and_dtype
+    from specter.assembly.compose import check_optional_groups
+    from specter.assembly.compose import compose
+    from specter.assembly.config import check_home, resident_experts, unknown_keys, validate
+    from specter.assembly.errors import composition_error
+    from specter.assembly.runtime import device_and_dtype
 
     try:
         cfg = compose(overrides) if overrides else _plain_config()
@@ -51,7 +51,7 @@ def compose_checked(overrides: list[str]) -> DictConfig:
     unknown = unknown_keys(cfg)  # `+typo=1` would be accepted and never used
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}: not in the configuration schema "
-                          "(specter/harness/schema.py); check the spelling")
+                          "(specter/assembly/schema.py); check the spelling")
     check_home()  # SPECTER_HOME a file: one line, not a NotADirectoryError from deep in a build
     validate(cfg)
     resident_experts(cfg)
@@ -64,8 +64,8 @@ def _plain_config() -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from specter.harness.compose import CONF_DIR, resolve_hardware
-    from specter.harness.schema import register_schemas
+    from specter.assembly.compose import CONF_DIR, resolve_hardware
+    from specter.assembly.schema import register_schemas
 
     register_schemas()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -75,7 +75,7 @@ def _plain_config() -> DictConfig:
 def largest_fitting_batch(method: Any, cap: int = MAX_BATCH) -> int:
     """The memory plan's number: the largest B whose footprint fits the tier's budget (experiment=batch
     refuses larger ones with the same number), at most ``cap``; ``cap`` where no budget applies."""
-    from specter.harness.batch import footprint_at, largest_batch
+    from specter.assembly.sizing import footprint_at, largest_batch
 
     rt = method.rt
     one = footprint_at(method, 1)
@@ -92,9 +92,9 @@ def load(overrides: list[str], *, max_batch: int = MAX_BATCH, warm: bool = True)
     """Compose, build the method, warm it up (outside timing) and re-time an emulated link, as run.py does."""
     from transformers import AutoTokenizer
 
-    from specter.harness.load_ratio import calibrate_after_warmup
-    from specter.harness.methods import build_method
-    from specter.harness.runtime import model_checkpoint
+    from specter.assembly.load_ratio import calibrate_after_warmup
+    from specter.assembly.methods import build_method
+    from specter.assembly.runtime import model_checkpoint
     from specter.quiet import quiet_loggers, set_verbose
     from specter.speculative.sampling import make_generator
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from specter.harness.config import ConfigError
+from specter.assembly.config import ConfigError
 from specter.speculative.batch_state import Request
 from specter.speculative.batched import BatchedAutoregressive, BatchLoop
 from specter.speculative.sampling import SamplingParams, make_generator
@@ -49,7 +49,7 @@ class QueueFull(RuntimeError):
 def batch_loop(method: Any, params: SamplingParams) -> BatchLoop:
     """A request loop over `method`'s model with `params`: the speculative engine for specter (and the
     methods built on it), batched autoregressive decoding for target_only and offload_ar."""
-    from specter.harness.methods import OffloadAR, TargetOnly
+    from specter.assembly.methods import OffloadAR, TargetOnly
 
     if method.engine is not None:
         return method.make_engine(params)  # the spec's engine; the request's own sampling replaces the spec's

@@ -3,7 +3,7 @@
 A method owns its model instance. `generate` is timed by the caller's commit clock; `reset`
 runs between measured records, outside timing (restoring the expert cache and planner state).
 Which class runs a `method=` is named by its config file (`runner: module:Class`), resolved only
-from the registry of known methods (specter/harness/runners.py): a config never imports arbitrary
+from the registry of known methods (specter/assembly/runners.py): a config never imports arbitrary
 code. The registry's line for a method also declares its facts (speculative, owns an expert cache,
 its slots rule, which K profile it reads, ...), which its class reads as `facts`. A new method is a
 config file, a class (with its config schema) and one registry line (docs/methods.md).
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError, effective_K
-from specter.harness.runners import MethodFacts, method_facts, runner_problem
-from specter.harness.runtime import (build_runtime, compact_over, decode_path, final_runtime, gptq_draft_for, method_spec,
+from specter.assembly.config import ConfigError, effective_K
+from specter.assembly.runners import MethodFacts, method_facts, runner_problem
+from specter.assembly.runtime import (build_runtime, compact_over, decode_path, final_runtime, gptq_draft_for, method_spec,
                                      staging_for)
 from specter.kernels.select import select_draft_kernel
 from specter.metrics import CommitClock, io_stats, step_windows, window_routing
@@ -61,7 +61,7 @@ class Method:
     `draft_moe` and `draft_model`, a separate draft instance's MoE runtime and model (SpecMoEOff).
     """
 
-    name = "base"  # the method's registry name (specter/harness/runners.py), where its facts are declared
+    name = "base"  # the method's registry name (specter/assembly/runners.py), where its facts are declared
     rt: Runtime | None = None
     engine: SpeculativeEngine | None = None
     batch_engines: list[SpeculativeEngine] | tuple = ()

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specter.harness.config_error import ConfigError
+from specter.assembly.config_error import ConfigError
 from specter.paths import atomic_write_bytes
 
 

@@ -3,7 +3,7 @@ through the same validated reader the harness writes it with."""
 
 from __future__ import annotations
 
-from specter.harness.rowstore import Schema
+from specter.records.rowstore import Schema
 
 BATCH_COLUMNS = (
     # the columns the figure code reads (specter/figures/batching.py)

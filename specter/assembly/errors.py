@@ -9,8 +9,8 @@ from __future__ import annotations
 import errno
 import sys
 
-from specter.harness.config import ConfigError
-from specter.harness.datasets import DatasetFormatError, DatasetUnavailable
+from specter.assembly.config import ConfigError
+from specter.datasets import DatasetFormatError, DatasetUnavailable
 from specter.models.loading import WeightError
 from specter.models.registry import ModelUnavailable
 from specter.offload.budget import BudgetError

@@ -4,7 +4,7 @@ A run holds an exclusive lock on its folder (`.specter.lock`, holding the writer
 whole lifetime, so two runs never interleave records; the lock dies with the process, so a
 killed run never leaves the folder locked. The lock is taken before any other check, so a second
 run is always refused naming the first one's pid. Row tables (records.csv, batch.csv, routes.csv,
-trace.csv) are appended through the validated row store (specter/harness/rowstore.py); every
+trace.csv) are appended through the validated row store (specter/records/rowstore.py); every
 other file is written atomically (temp file, fsync, rename).
 
 Resuming is allowed only for the same run: the same configuration (`config.yaml`, up to
@@ -33,8 +33,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specter.code_provenance import code_state, merged_states
-from specter.harness.config import ConfigError
-from specter.harness.records import parse_records, text_digest
+from specter.assembly.config import ConfigError
+from specter.records.records import parse_records, text_digest
 from specter.paths import atomic_write_text, read_json_object
 
 # May differ between resumed runs: they change neither what is measured nor how.
@@ -225,7 +225,7 @@ def _check_provenance(out: Path, provenance: dict[str, Any], finished: int) -> N
 def _check_prompts(out: Path, prompts: dict[str, list[str]], base: dict[str, str]) -> None:
     """Finished records must have been measured on the prompts this run would give them (their
     `prompt_sha256`): checked before anything is written, so a refused start changes nothing."""
-    from specter.harness.records import record_key
+    from specter.records.records import record_key
 
     try:
         text = (out / "records.csv").read_text(encoding="utf-8")

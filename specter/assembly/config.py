@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specter.harness.config_error import ConfigError  # torch-free, so the row store and figures can raise it
-from specter.harness.datasets import DATASETS
+from specter.assembly.config_error import ConfigError  # torch-free, so the row store and figures can raise it
+from specter.datasets import DATASETS
 from specter.kernels.select import KERNELS as DRAFT_KERNELS
 from specter.models.loading import DTYPES
 from specter.moe import SCHEDULES
@@ -114,7 +114,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("verify_lossless compares against greedy target-only decoding: it needs temperature=0")
     _names(cfg)
     _method_values(cfg)
-    from specter.harness.runners import runner_problem
+    from specter.assembly.runners import runner_problem
 
     problem = runner_problem(m.name, m.get("runner"))
     _require(problem is None, problem or "")
@@ -125,7 +125,7 @@ def _runner_identity(name: str, runner: Any) -> None:
     """A method's identity is its runner: `method=specter method.runner=<TargetOnly>` would save
     target-only records as `method=specter`. A name with a method file under conf/method/ takes that
     file's runner only; another runner must come with a new `method.name`."""
-    from specter.harness.compose import CONF_DIR
+    from specter.assembly.compose import CONF_DIR
 
     path = CONF_DIR / "method" / f"{name}.yaml"
     if not path.is_file():
@@ -353,7 +353,7 @@ def check_composed(cfg: DictConfig) -> None:
     method list, an output folder whose every name fits the file system, a usable $SPECTER_HOME."""
     unknown = unknown_keys(cfg)
     _require(not unknown, f"unknown setting(s) {unknown}: not in the configuration schema "
-             "(specter/harness/schema.py); check the spelling (`python run.py --cfg job` lists every key)")
+             "(specter/assembly/schema.py); check the spelling (`python run.py --cfg job` lists every key)")
     compare = cfg.get("compare")
     if isinstance(compare, DictConfig) and "methods" in compare:
         methods = compare.methods

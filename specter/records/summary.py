@@ -42,7 +42,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         retention_hits=("retention_hits", "mean"),
         retention_reloads=("retention_reloads", "mean"),
         belady_loads_per_token=("belady_loads_per_token", "mean"),
-        # the emulated link as it ran (harness/load_ratio.py): configured and mean effective ratio, flagged records
+        # the emulated link as it ran (assembly/load_ratio.py): configured and mean effective ratio, flagged records
         load_ratio=("load_ratio", "first"),
         effective_load_ratio=("effective_load_ratio", "mean"),
         load_ratio_off=("load_ratio_off", lambda s: s.sum(min_count=1)),
@@ -55,7 +55,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_summary(out: Path) -> pd.DataFrame:
-    from specter.harness.records import RecordsError, read_records
+    from specter.records.records import RecordsError, read_records
     from specter.paths import atomic_write_text
 
     summary = summarize(read_records(out / "records.csv"))

@@ -71,7 +71,7 @@ ABBREVIATIONS = {"c4": "C4", "wikitext2": "WT", "humaneval": "HE", "gsm8k": "GK"
 GPQA_PASSWORD = b"deserted-untie-orchid"  # published with the dataset; keeps it out of crawls
 HUB_TIMEOUT_S = 3.0
 PREPARE_SCRIPT = "initialization/prepare_datasets.py"
-BUNDLE_DIR = Path(__file__).resolve().parents[2] / "initialization" / "assets"  # the offline slices
+BUNDLE_DIR = Path(__file__).resolve().parents[1] / "initialization" / "assets"  # the offline slices
 BUNDLE_MANIFEST = "MANIFEST.json"
 
 Record = Mapping[str, object]

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError, bind_checkpoint, effective_K, load_ratio_of, resident_experts
-from specter.harness.load_ratio import probe_decoder
-from specter.harness.real_plan import planned_slots
-from specter.harness.sizing import budget_spec, scratch_bytes
+from specter.assembly.config import ConfigError, bind_checkpoint, effective_K, load_ratio_of, resident_experts
+from specter.assembly.load_ratio import probe_decoder
+from specter.assembly.real_plan import planned_slots
+from specter.assembly.sizing import budget_spec, scratch_bytes
 from specter.models.loading import DTYPES, load_offloaded, non_expert_bytes
 from specter.models.registry import ModelUnavailable, checkpoint_digest, checkpoint_problem, resolve_checkpoint
 from specter.moe import DraftExecutor, MoERuntime, TargetExecutor
@@ -203,7 +203,7 @@ def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None =
     separate draft's own `non_expert` copy, `kv_cache` and `scratch`); refused if over budget.
     Nothing is reassigned after.
 
-    A runtime sized by the real model's plan (`rt.planned`, harness.real_plan) takes the plan's slots and
+    A runtime sized by the real model's plan (`rt.planned`, assembly.real_plan) takes the plan's slots and
     staging instead of the method's own sizing on the tiny tier, and the plan's budget check stands for
     the tiny tier's (the method's own numbers stay in its env.json entries)."""
     planned = rt.planned
@@ -229,7 +229,7 @@ def final_runtime(rt: Runtime, resident: int, staging: int, draft: dict | None =
 
 def calibration_spec(cfg: DictConfig) -> CalibrationSpec:
     """The run's GPTQ calibration source, read from the config once."""
-    from specter.harness.datasets import expand_datasets
+    from specter.datasets import expand_datasets
 
     n = cfg.method.get("calibration_prompts")
     return CalibrationSpec(prompts=16 if n is None else int(n), datasets=tuple(expand_datasets(cfg.dataset.name)),
@@ -244,7 +244,7 @@ def calibration_batches(cal: CalibrationSpec, tokenizer, device: torch.device,
     A dataset too small for that calibrates on its evaluated prompts (recorded by the caller);
     a malformed dataset file is an error, never a fallback.
     """
-    from specter.harness.datasets import TooFewPrompts, load_prompts
+    from specter.datasets import TooFewPrompts, load_prompts
 
     batches = []
     per = max(1, cal.prompts // len(cal.datasets))

@@ -17,9 +17,9 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from specter.harness.config import ConfigError, load_ratio_of
-from specter.harness.records import read_records
-from specter.harness.runners import is_method, method_names
+from specter.assembly.config import ConfigError, load_ratio_of
+from specter.records.records import read_records
+from specter.assembly.runners import is_method, method_names
 from specter.paths import atomic_write_text, write_table
 
 
@@ -51,7 +51,7 @@ def other_method_in(root: Path, method: str) -> str | None:
 
 
 def profile_k(cfg: DictConfig) -> Path:
-    from specter.harness.run import run
+    from specter.experiments.run import run
 
     # the methods whose design tunes K (the registry's `tunes_k`); a method whose config has `k_range` sweeps it
     if not is_method(cfg.method.name, tunes_k=True):

@@ -1,7 +1,7 @@
 """The registry of known methods: each `method=` name, the runner that may be instantiated for it, and its facts.
 
 A configuration (conf/method/<name>.yaml) names its runner as "package.module:Class"; only the runners
-listed here are ever imported (`specter.harness.methods.build_method`), so no configuration value can import
+listed here are ever imported (`specter.assembly.methods.build_method`), so no configuration value can import
 or call arbitrary code. Each method's facts (is it speculative, does it own an expert cache, how are its slots
 sized, which K profile does it read, ...) are written once, on its line below; its class reads them
 (`Method.facts`), and every place that lists methods asks this registry (`method_names`) instead of keeping
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-# How a method's expert slots per MoE layer are sized at a memory tier (`experiment=plan`, harness/plan.py):
+# How a method's expert slots per MoE layer are sized at a memory tier (`experiment=plan`, assembly/plan.py):
 #  all: every expert on the device (target_only; not bound by the tier)
 #  tier: the tier's M slots (memory.resident_experts), staging by the rule every cache-owning method follows
 #  same_memory: Specter's device bytes at the tier given to extra slots (MO-SM), or a checkpoint-bound preset
@@ -30,7 +30,7 @@ SLOTS_RULES = ("all", "tier", "same_memory", "fit", "preset", "own")
 class MethodFacts:
     """What a method is, declared once: the registry's line for it."""
 
-    runner: str  # "package.module:Class", a `specter.harness.methods.Method` subclass
+    runner: str  # "package.module:Class", a `specter.assembly.methods.Method` subclass
     summary: str = ""  # what it is, in a few words (the projection's note column)
     speculative: bool = False  # drafts K tokens per window and verifies them with the target
     owns_cache: bool = False  # decodes through Specter's offloading runtime: an expert cache, the link, staging buffers
@@ -73,12 +73,12 @@ class MethodFacts:
 
 
 _METHODS: dict[str, MethodFacts] = {
-    "target_only": MethodFacts("specter.harness.methods:TargetOnly", "every expert resident", slots_rule="all"),
-    "offload_ar": MethodFacts("specter.harness.methods:OffloadAR", "LRU on demand", owns_cache=True),
+    "target_only": MethodFacts("specter.assembly.methods:TargetOnly", "every expert resident", slots_rule="all"),
+    "offload_ar": MethodFacts("specter.assembly.methods:OffloadAR", "LRU on demand", owns_cache=True),
     "mo_sc": MethodFacts("baselines.mixtral_offloading:MixtralOffloading", "LRU + staging, same cache", owns_cache=True),
     "mo_sm": MethodFacts("baselines.mixtral_offloading:MixtralOffloadingSM", "LRU, same memory", owns_cache=True,
                          slots_rule="same_memory"),
-    "specter": MethodFacts("specter.harness.methods:Specter", "shared INT4 draft, adaptive prefetch", speculative=True,
+    "specter": MethodFacts("specter.assembly.methods:Specter", "shared INT4 draft, adaptive prefetch", speculative=True,
                            owns_cache=True, tunes_k=True, reads_k_profile=True),
     "moe_spec": MethodFacts("baselines.moe_spec:MoESpec", "Specter + verification expert budget", speculative=True,
                             owns_cache=True, lossy=True, reads_k_profile=True),

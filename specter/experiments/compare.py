@@ -13,9 +13,9 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from specter.harness.config import ConfigError
-from specter.harness.paired import paired_by_prompt
-from specter.harness.records import read_records
+from specter.assembly.config import ConfigError
+from specter.records.paired import paired_by_prompt
+from specter.records.records import read_records
 from specter.paths import safe_name, write_table
 
 DEFAULT_METHODS = ("target_only", "offload_ar", "specter")
@@ -23,7 +23,7 @@ DEFAULT_METHODS = ("target_only", "offload_ar", "specter")
 
 def method_config(cfg: DictConfig, method: str) -> DictConfig:
     """`cfg` with its method group switched to `method` (as `method=<method>` would compose it)."""
-    from specter.harness.compose import compose
+    from specter.assembly.compose import compose
 
     try:
         node = compose([f"method={method}"]).method
@@ -76,7 +76,7 @@ _PAIR_KEY = ["dataset", "prompt_index", "repeat"]  # one record: the same prompt
 
 
 def _paired_columns(records: pd.DataFrame, baseline: str, method: str) -> dict:
-    """TPOT(baseline) / TPOT(method) paired by prompt (specter.harness.paired.paired_by_prompt): the median of the
+    """TPOT(baseline) / TPOT(method) paired by prompt (specter.records.paired.paired_by_prompt): the median of the
     per-prompt ratios, its 95% bootstrap CI over prompts, whether it holds 1, and the prompts paired; None (and
     0 prompts) where the two share none."""
     r = paired_by_prompt(records, "method", baseline, method) if (records.method == baseline).any() else None
@@ -102,7 +102,7 @@ def _ratio_columns(df: pd.DataFrame) -> dict:
 
 
 def compare(cfg: DictConfig) -> Path:
-    from specter.harness.run import run
+    from specter.experiments.run import run
 
     methods = list(cfg.compare.get("methods") or DEFAULT_METHODS)
     if not methods:

@@ -4,7 +4,7 @@ Every YAML file under conf/ is merged onto one of these dataclasses, so a misspe
 value of the wrong type (`temperature=abc`, `hardware.threads=x`) fails at composition with
 Hydra's own one-line message, before anything loads. `???` marks values a user must give.
 Choices (datasets, links, dtypes, policies, ...) are listed once, in the engine module that
-implements them, and checked by `specter.harness.config.validate`.
+implements them, and checked by `specter.assembly.config.validate`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class MemoryConfig:
     budget_mb: Optional[float] = None  # overrides the model's tier budget
     resident_experts: Optional[int] = None  # overrides the model's tier M
     # a tiny model's cache sizes: real_plan (each method's slots and staging as experiment=plan gives the real
-    # model at this tier; specter/harness/real_plan.py) | budget (each method sizes itself in the tiny tier's bytes)
+    # model at this tier; specter/assembly/real_plan.py) | budget (each method sizes itself in the tiny tier's bytes)
     slots: str = "real_plan"
 
 
@@ -82,7 +82,7 @@ class HardwareConfig:
 @dataclass
 class MethodConfig:
     name: str = MISSING
-    runner: str = MISSING  # "package.module:Class" implementing specter.harness.methods.Method
+    runner: str = MISSING  # "package.module:Class" implementing specter.assembly.methods.Method
     speculative: bool = False
     decode_path: str = "hf"  # single-request decoding: hf (transformers modules) | compact (specter.models.compact)
     # | compiled (the compact decoder, its one-token step traced by torch.compile; target_only only)
@@ -167,7 +167,7 @@ class ProjectConfig:
 @dataclass
 class CellConfig:
     """experiment=cell: the methods of one (model, memory tier) cell, measured in one process and
-    interleaved record by record (specter/harness/cell.py); each writes its own run folder."""
+    interleaved record by record (specter/experiments/cell.py); each writes its own run folder."""
 
     methods: list[str] = field(default_factory=list)
     hardware: dict[str, str] = field(default_factory=dict)  # method -> hardware option (default: the cell's)

@@ -1,4 +1,4 @@
-"""`python -m specter.projection.grid [--device D] [--batch] [--alpha] [overrides...]`: experiment=project for every
+"""`python -m specter.experiments.projection_grid [--device D] [--batch] [--alpha] [overrides...]`: experiment=project for every
 real model and tier (dsv2, qwen15moe, phi35moe x high, low), each into <results>/project/<model>-<memory>-<device>/
 (results/ by default), which make_figures' projected figures read. Extra arguments are passed on as overrides
 (e.g. project.new_tokens=32).
@@ -26,10 +26,10 @@ def cell_overrides(model: str, tier: str, batch: bool, alpha: bool) -> list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specter.harness.compose import compose
-    from specter.harness.experiments import run_experiment
+    from specter.assembly.compose import compose
+    from specter.experiments.dispatch import run_experiment
 
-    ap = argparse.ArgumentParser(prog="python -m specter.projection.grid", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specter.experiments.projection_grid", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="a100_40gb_pcie4", help="device file (default: %(default)s)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--tiers", nargs="+", default=list(TIERS), choices=TIERS)

@@ -20,15 +20,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from specter.harness.artifacts import SideTables
-from specter.harness.config import ConfigError, resident_experts, validate
-from specter.harness.datasets import DatasetFormatError, PromptSet, expand_datasets, load_prompt_set
-from specter.harness.load_ratio import calibrate_after_warmup, run_load_ratios
-from specter.harness.methods import Method, build_method
-from specter.harness.output import check_weights, refuse_other_prompt, run_folder, write_environment
-from specter.harness.records import RecordWriter, text_digest, token_digest
-from specter.harness.runtime import device_and_dtype, model_checkpoint
-from specter.harness.summary import print_summary, write_summary
+from specter.records.artifacts import SideTables
+from specter.assembly.config import ConfigError, resident_experts, validate
+from specter.datasets import DatasetFormatError, PromptSet, expand_datasets, load_prompt_set
+from specter.assembly.load_ratio import calibrate_after_warmup, run_load_ratios
+from specter.assembly.methods import Method, build_method
+from specter.records.output import check_weights, refuse_other_prompt, run_folder, write_environment
+from specter.records.records import RecordWriter, text_digest, token_digest
+from specter.assembly.runtime import device_and_dtype, model_checkpoint
+from specter.records.summary import print_summary, write_summary
 from specter.speculative.sampling import make_generator
 
 
@@ -138,7 +138,7 @@ class MethodSession:
     records still missing (`todo`); `start` builds the method, warms it up outside timing and
     calibrates the link; `measure` times one record (from a cache reset and its per-record seed) and
     appends it; `close` frees the method. `run` drives one session through its records; a cell
-    (specter/harness/cell.py) drives several, interleaved record by record.
+    (specter/experiments/cell.py) drives several, interleaved record by record.
     """
 
     def __init__(self, cfg: DictConfig, prep: Prepared, out: Path):
@@ -243,7 +243,7 @@ def repair_side_tables(out: Path, writer: RecordWriter, base: dict, side: SideTa
     torn record is: its record and its block are set aside. Blocks of records that never finished
     (a run stopped between a block and its record) are set aside too, so the block a rerun appends
     never runs on from a stale one of the same key."""
-    from specter.harness.artifacts import SIDE_TABLES, side_exists
+    from specter.records.artifacts import SIDE_TABLES, side_exists
 
     record_key = lambda k: (*base.values(), *k)  # noqa: E731 - side key (dataset, prompt_index, repeat)
     for name in SIDE_TABLES:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import signal
 import sys
 
-from specter.harness.config import ConfigError
-
 INTERRUPTED = "specter: interrupted; finished records are kept (rerun the same command to resume)"
 
 
@@ -37,10 +35,10 @@ def main(argv: list[str]) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from specter.harness.compose import DEFAULT_JOB, compose
-    from specter.harness.config import check_composed
-    from specter.harness.errors import USER_ERRORS, composition_error, disk_error, report
-    from specter.harness.experiments import run_experiment
+    from specter.assembly.compose import DEFAULT_JOB, check_optional_groups, compose
+    from specter.assembly.config import check_composed
+    from specter.assembly.errors import USER_ERRORS, composition_error, disk_error, report
+    from specter.experiments.dispatch import run_experiment
 
     if not argv:  # the default job: the comparison the project exists for
         print("specter: no arguments, running the default comparison (experiment=compare: target_only, "
@@ -66,19 +64,3 @@ def _main(argv: list[str]) -> int:
         report(user)
         return 2
     return 0
-
-
-def check_optional_groups(argv: list[str]) -> None:
-    """Hydra silently skips a missing option of an optional group (`experiment=typo` would run the
-    plain protocol); refuse it like any unknown option."""
-    from specter.harness.compose import CONF_DIR
-
-    for arg in argv:
-        group, eq, value = arg.lstrip("+").partition("=")
-        folder = CONF_DIR / group
-        if not (eq and "." not in group and folder.is_dir()) or "(" in value:  # sweep functions: Hydra checks
-            continue
-        options = sorted(p.stem for p in folder.glob("*.yaml"))
-        for option in value.split(","):  # a multirun sweep (-m group=a,b) lists several
-            if option not in ("null", "") and option not in options:
-                raise ConfigError(f"unknown {group}={option!r}; choose one of {options}")

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from specter.harness.config import ConfigError
-from specter.harness.output import run_folder
-from specter.harness.schema import CellConfig
-from specter.harness.run import MethodSession, prepare, prompt_texts, provenance_of, record_keys
-from specter.harness.summary import write_summary
+from specter.assembly.config import ConfigError
+from specter.records.output import run_folder
+from specter.assembly.schema import CellConfig
+from specter.experiments.run import MethodSession, prepare, prompt_texts, provenance_of, record_keys
+from specter.records.summary import write_summary
 from specter.paths import UnsafeName, safe_name
 
 METHOD_SLOT = "{method}"  # where each method's name goes in the cell's output_dir
@@ -62,7 +62,7 @@ def method_config(cfg: DictConfig, method: str) -> DictConfig:
     method group, its hardware (cell.hardware, else the cell's), the k_profile only where it applies
     (cell.k_profile_methods; cell.k_profiles gives a method a profile of its own), its own output_dir; the cell's own settings back at their defaults, so
     the folder's config.yaml is the one a standalone run writes and either resumes the other."""
-    from specter.harness.compose import compose, hardware_defaults
+    from specter.assembly.compose import compose, hardware_defaults
 
     option = str((cfg.cell.hardware or {}).get(method, cfg.hardware.name))
     try:
@@ -135,8 +135,8 @@ def _print_cell(cfg: DictConfig, folders: list[Path]) -> None:
     """The cell's methods side by side (median TPOT, paired speedups), as experiment=compare prints them."""
     import pandas as pd
 
-    from specter.harness.compare import comparison_table, print_comparison
-    from specter.harness.records import read_records
+    from specter.experiments.compare import comparison_table, print_comparison
+    from specter.records.records import read_records
 
     records = pd.concat([read_records(f / "records.csv") for f in folders], ignore_index=True)
     if records.empty:

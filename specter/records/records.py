@@ -10,7 +10,7 @@ else — a line torn by a crash or a full disk, a hand-edited value, a duplicate
 aside on load: appended to `records.rejected.csv` (with its line number and the reason), removed
 from `records.csv` by an atomic rewrite, reported as a warning, and measured again. A row is
 never silently dropped, and a new row is never appended onto a torn one. All of this is the
-row store's (specter/harness/rowstore.py), which batch.csv, routes.csv and trace.csv share.
+row store's (specter/records/rowstore.py), which batch.csv, routes.csv and trace.csv share.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from specter.harness.rowstore import Rejected, RowStore, RowStoreError, Schema, parse, read_frame
+from specter.records.rowstore import Rejected, RowStore, RowStoreError, Schema, parse, read_frame
 
 KEY_COLUMNS = ("method", "model", "memory", "dataset", "prompt_index", "repeat")
 COLUMNS = (

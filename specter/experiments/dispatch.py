@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig
 
-from specter.harness.config import ConfigError
+from specter.assembly.config import ConfigError
 
 
 def _lazy(module: str, name: str) -> Callable[[DictConfig], object]:
@@ -22,14 +22,14 @@ def _lazy(module: str, name: str) -> Callable[[DictConfig], object]:
 
 
 EXPERIMENTS: dict[str, Callable[[DictConfig], object]] = {
-    "run": _lazy("specter.harness.run", "run"),
-    "k_sweep": _lazy("specter.harness.profile_k", "profile_k"),
-    "compare": _lazy("specter.harness.compare", "compare"),
-    "batch": _lazy("specter.harness.batch", "run_batch"),
-    "plan": _lazy("specter.harness.plan", "run_plan"),
-    "load_ratio_sweep": _lazy("specter.harness.load_ratio_sweep", "load_ratio_sweep"),
-    "project": _lazy("specter.harness.project", "run_project"),
-    "cell": _lazy("specter.harness.cell", "run_cell"),
+    "run": _lazy("specter.experiments.run", "run"),
+    "k_sweep": _lazy("specter.experiments.profile_k", "profile_k"),
+    "compare": _lazy("specter.experiments.compare", "compare"),
+    "batch": _lazy("specter.experiments.batch", "run_batch"),
+    "plan": _lazy("specter.experiments.plan", "run_plan"),
+    "load_ratio_sweep": _lazy("specter.experiments.load_ratio_sweep", "load_ratio_sweep"),
+    "project": _lazy("specter.experiments.project", "run_project"),
+    "cell": _lazy("specter.experiments.cell", "run_cell"),
 }
 
 
@@ -38,7 +38,7 @@ def register_experiment(name: str, fn: Callable[[DictConfig], object]) -> None:
 
 
 def run_experiment(cfg: DictConfig):
-    from specter.harness.compose import resolve_hardware
+    from specter.assembly.compose import resolve_hardware
 
     cfg = resolve_hardware(cfg)
     _quiet_third_parties(cfg)

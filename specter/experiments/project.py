@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specter.harness.config import ConfigError
+from specter.assembly.config import ConfigError
 
 REAL_MODELS = ("dsv2", "qwen15moe", "phi35moe")
 ROUTE_CHOICES = ("auto", "proxy", "independent")
@@ -65,8 +65,8 @@ def paper_case(cfg: DictConfig, real: str) -> DictConfig:
 
     from omegaconf import open_dict
 
-    from specter.harness.compose import CONF_DIR, hardware_defaults
-    from specter.harness.schema import HardwareConfig, ModelConfig
+    from specter.assembly.compose import CONF_DIR, hardware_defaults
+    from specter.assembly.schema import HardwareConfig, ModelConfig
 
     case = copy.deepcopy(cfg)
     with open_dict(case):
@@ -83,7 +83,7 @@ def real_slots(cfg: DictConfig, real: str) -> tuple[int, int]:
     """(slots per MoE layer, staging buffers) of offload_ar in the paper's case: `memory.resident_experts`
     if given, else the real model's tier (conf/model/<real>.yaml `tiers.<tier>.resident_experts`); the
     staging buffers by the engine's one rule on that tier's budget (as experiment=plan computes them)."""
-    from specter.harness.plan import plan_rows
+    from specter.assembly.plan import plan_rows
 
     case = paper_case(cfg, real)
     rows, _ = plan_rows(case)
@@ -128,8 +128,8 @@ def proxy_routes(folder: Path, tokens: int, moe_layers: int, num_experts: int, s
 def method_slots(cfg: DictConfig, real: str) -> tuple[dict[str, tuple[int | None, int]], int]:
     """Per method, (slots per MoE layer, staging buffers) in the paper's case of the real model (the plan's
     batch-1 rows, what `experiment=plan` prints), and the K a speculative method verifies there."""
-    from specter.harness.config import effective_K
-    from specter.harness.plan import plan_rows
+    from specter.assembly.config import effective_K
+    from specter.assembly.plan import plan_rows
 
     case = paper_case(cfg, real)
     rows, _ = plan_rows(case)
@@ -190,7 +190,7 @@ def replay_rows(cfg: DictConfig, cm, real: str, proxy: str, trained: bool, M: in
 def engine_rows(cfg: DictConfig, cm, px) -> tuple[list[dict], dict]:
     """Every method of `project.methods` built by the harness on the proxy and run on the virtual machine
     (`specter.projection.steps`); a profiled method twice: at its profiled K, then at its default K."""
-    from specter.harness.runners import is_method
+    from specter.assembly.runners import is_method
     from specter.projection.profile import profile_rows
     from specter.projection.steps import draft_name, engine_runs
 
@@ -207,7 +207,7 @@ def engine_rows(cfg: DictConfig, cm, px) -> tuple[list[dict], dict]:
 
 
 def engine_row(cfg: DictConfig, name: str, k_source: str, r, M, S, draft: str) -> dict:
-    from specter.harness.runners import is_method, method_facts
+    from specter.assembly.runners import is_method, method_facts
     from specter.projection.engine_run import EXTRA_STATS
 
     p = cfg.project

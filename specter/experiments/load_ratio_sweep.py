@@ -24,9 +24,9 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from specter.harness.config import ConfigError
-from specter.harness.load_ratio import ratio_summary
-from specter.harness.runners import is_method
+from specter.assembly.config import ConfigError
+from specter.assembly.load_ratio import ratio_summary
+from specter.assembly.runners import is_method
 
 TABLE = "load_ratio.csv"
 
@@ -86,7 +86,7 @@ def ratio_label(r: float) -> str:
 
 
 def _group(name: str, option: str) -> DictConfig:
-    from specter.harness.compose import compose
+    from specter.assembly.compose import compose
 
     try:
         return getattr(compose([f"{name}={option}"]), name)
@@ -125,7 +125,7 @@ def cell_row(records: pd.DataFrame, **key: Any) -> dict[str, Any]:
 
 
 def load_ratio_sweep(cfg: DictConfig) -> Path:
-    from specter.harness.run import run
+    from specter.experiments.run import run
 
     models, tiers, ratios, methods = sweep_settings(cfg)
     root = Path(cfg.output_dir)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from specter.harness.config import ConfigError, effective_K
-from specter.harness.runners import is_method
+from specter.assembly.config import ConfigError, effective_K
+from specter.assembly.runners import is_method
 
 SLOT_SOURCES = ("real_plan", "budget")
 
@@ -60,8 +60,8 @@ def largest_batch(cfg: DictConfig) -> int:
 
 def real_plan_config(cfg: DictConfig) -> DictConfig:
     """The run's config with the real model in place of the tiny one, on the paper's GPU and dtype."""
-    from specter.harness.compose import CONF_DIR, hardware_defaults
-    from specter.harness.schema import HardwareConfig, ModelConfig
+    from specter.assembly.compose import CONF_DIR, hardware_defaults
+    from specter.assembly.schema import HardwareConfig, ModelConfig
 
     real = str(cfg.model.real)
     path = CONF_DIR / "model" / f"{real}.yaml"
@@ -86,7 +86,7 @@ def planned_slots(cfg: DictConfig) -> PlannedSlots | None:
     real one, `memory.slots=budget`, a user-sized tier, or a method the plan does not size)."""
     if not wants_real_plan(cfg):
         return None
-    from specter.harness.plan import plan_rows
+    from specter.assembly.plan import plan_rows
 
     method = str(cfg.method.name)
     if not is_method(method, owns_cache=True):

@@ -32,15 +32,16 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specter.harness.batch_schema import BATCH_COLUMNS, BATCH_SCHEMA
-from specter.harness.config import ConfigError, validate
-from specter.harness.load_ratio import calibrate_after_warmup
-from specter.harness.methods import Method, build_method
-from specter.harness.output import check_weights, run_folder, write_environment
-from specter.harness.records import RecordWriter, record_key, text_digest, token_digest
-from specter.harness.rowstore import RowStore, RowStoreError, read_frame, read_table
-from specter.harness.run import environment_of, prepare, provenance_of, record_seed
-from specter.offload.budget import MB, Footprint
+from specter.records.batch_schema import BATCH_COLUMNS, BATCH_SCHEMA
+from specter.assembly.config import ConfigError, validate
+from specter.assembly.load_ratio import calibrate_after_warmup
+from specter.assembly.methods import Method, build_method
+from specter.records.output import check_weights, run_folder, write_environment
+from specter.records.records import RecordWriter, record_key, text_digest, token_digest
+from specter.records.rowstore import RowStore, RowStoreError, read_frame, read_table
+from specter.assembly.sizing import footprint_at, refusal
+from specter.experiments.run import environment_of, prepare, provenance_of, record_seed
+from specter.offload.budget import MB
 from specter.paths import atomic_write_text
 from specter.speculative.batched import BatchRun
 from specter.speculative.sampling import make_generator
@@ -63,35 +64,11 @@ def prompt_pool(cfg: DictConfig, sizes: list[int]) -> int:
     return n
 
 
-# ---------------------------------------------------------------------------------- budget
-def footprint_at(method: Method, B: int) -> Footprint | None:
-    """The method's device footprint at batch size B (None: no budget applies): `Method.footprint_at`."""
-    return method.footprint_at(B)
-
-
-def largest_batch(one: Footprint, two: Footprint, budget_bytes: int) -> int:
-    """The largest B that fits, from the footprints at B=1 and B=2 (footprints are linear in B)."""
-    per_request = two.total - one.total
-    fixed = one.total - per_request
-    return max(0, (budget_bytes - fixed) // per_request) if per_request > 0 else 10**9
-
-
-def refusal(method: Method, B: int) -> str | None:
-    """Why batch size B does not fit the method's memory tier (None: it fits, or no budget applies)."""
-    fp = footprint_at(method, B)
-    if fp is None or fp.total <= method.rt.budget_bytes:
-        return None
-    budget = method.rt.budget_bytes
-    fits = largest_batch(footprint_at(method, 1), footprint_at(method, 2), budget)
-    return (f"B={B} needs {fp.describe()} on the device, more than the budget of {budget / MB:.2f} MB; "
-            f"the largest batch that fits is B={fits}")
-
-
 # ---------------------------------------------------------------------------------- batch.csv
 
 
 class BatchTable:
-    """batch.csv through the validated row store (specter/harness/rowstore.py): one fsynced line per
+    """batch.csv through the validated row store (specter/records/rowstore.py): one fsynced line per
     (dataset, repeat), cut back on a failed write; torn or invalid rows set aside and measured again."""
 
     def __init__(self, path: Path):

@@ -1,12 +1,12 @@
 """Per-record side tables of a run folder (routes.csv.gz, trace.csv.gz), one block of rows per record.
 
 They are the bulky per-window logs, so they are written gzip-compressed (`<name>.csv.gz`, one gzip
-member per record's block: specter/harness/rowstore.py); a folder begun before that keeps appending
+member per record's block: specter/records/rowstore.py); a folder begun before that keeps appending
 to its plain `<name>.csv`. `side_path` says which file a folder's table is, for writers and readers
 alike; every reader takes both forms.
 
 Each row is prefixed with the record's key (dataset, prompt_index, repeat). Both tables go through
-the validated row store (specter/harness/rowstore.py): a record's rows are appended as one
+the validated row store (specter/records/rowstore.py): a record's rows are appended as one
 fsynced write, cut back when the write fails, and validated when the table is opened (torn or
 invalid rows set aside in `<name>.rejected.csv`).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specter.harness.rowstore import RowStore, Schema
+from specter.records.rowstore import RowStore, Schema
 
 ARTIFACT_KEY = ("dataset", "prompt_index", "repeat")
 
