@@ -21,9 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
         return 0
-    from specter.harness.compose import compose
-    from specter.harness.errors import USER_ERRORS, report
-    from specter.harness.runtime import build_runtime, gptq_draft_for, method_spec, model_checkpoint
+    from specter.assembly.compose import compose
+    from specter.assembly.errors import USER_ERRORS, report
+    from specter.assembly.runtime import build_runtime, gptq_draft_for, method_spec, model_checkpoint
 
     cfg = compose(["method=specter", "method.quant=gptq", *args])
     try:

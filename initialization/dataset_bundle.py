@@ -1,6 +1,6 @@
 """The offline dataset bundle: small slices of the benchmark datasets, in their upstream formats.
 
-`initialization/assets/` uses the assets layout `specter.harness.datasets` reads
+`initialization/assets/` uses the assets layout `specter.datasets` reads
 (`<name>/<upstream file name>`), so the harness can load prompts on a bare clone with no
 hub and no network. Each slice is the head of the upstream file, byte for byte: the first
 `records` lines (JSON lines) or the first `max_bytes` bytes cut at a line end (text). The
@@ -38,7 +38,7 @@ MANIFEST = "MANIFEST.json"
 class Slice:
     """How one bundled file is cut from its upstream file."""
 
-    name: str  # dataset name (specter.harness.datasets.DATASETS)
+    name: str  # dataset name (specter.datasets.DATASETS)
     file: str  # path below BUNDLE_DIR/<name>/, an asset name the harness reads
     upstream_repo: str
     upstream_commit: str | None

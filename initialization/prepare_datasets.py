@@ -1,4 +1,4 @@
-"""Put the five benchmark datasets into the assets layout that specter.harness.datasets reads.
+"""Put the five benchmark datasets into the assets layout that specter.datasets reads.
 
 Run from the repository root:
 
@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 try:
-    from specter.harness.datasets import (
+    from specter.datasets import (
         ABBREVIATIONS,
         BUNDLE_DIR,
         SPECS,
