@@ -243,7 +243,7 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", nargs="?", default="results/bench/draft_kernel.csv", help="output CSV path")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -274,9 +274,11 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup = 1 if args.quick else 3
     if args.reps is None:
         args.reps = 5 if args.quick else 15
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    dtype = DTYPES[args.dtype or ("float16" if cuda else "bfloat16")]
+    return args
+
+
+def grid(args: argparse.Namespace, cuda: bool) -> list[Case]:
+    """The tiny shapes (every HxI, E, k with k <= E) and then the real models' shapes, each with its T values."""
     tokens = args.tokens or ([1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64])
     dims = args.dims if args.dims is not None else (["128x128"] if cuda else ["128x128", "512x512"])
     real_tokens = args.real_tokens
@@ -285,32 +287,37 @@ def main(argv: list[str] | None = None) -> None:
     experts, topk = ([64], [2, 6]) if args.quick else (args.experts, args.topk)
     if cuda and not args.tokens and not args.quick:
         experts, topk = [64], [6]  # on a GPU the tiny shapes are a sanity point, the real ones the data
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cases = [Case(*(int(v) for v in d.lower().split("x")), e, k, tuple(tokens), args.reps)
+             for d in dims for e in experts for k in topk if k <= e]
+    real_reps = args.reps if cuda else max(3, args.reps // 3)  # a real-shape call takes 0.01-2 s on a CPU
+    cases += [Case(h, i, e, k, tuple(real_tokens), real_reps) for h, i, e, k in REAL_SHAPES if real_tokens]
+    return cases
 
+
+def timed_methods(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> set[str]:
+    """The methods asked for that this machine can run; each one skipped is printed with its reason."""
     wanted = set(args.only) if args.only else set(METHODS) - set(args.skip) - ({"marlin"} if not args.marlin else set())
     why = available_methods(device, dtype, wanted)
     for m, reason in sorted(why.items()):
         if reason:
             print(f"skip {m}: {reason}")
-    methods = {m for m in wanted if not why[m]}
+    return {m for m in wanted if not why[m]}
 
-    cases = [Case(*(int(v) for v in d.lower().split("x")), e, k, tuple(tokens), args.reps)
-             for d in dims for e in experts for k in topk if k <= e]
-    real_reps = args.reps if cuda else max(3, args.reps // 3)  # a real-shape call takes 0.01-2 s on a CPU
-    cases += [Case(h, i, e, k, tuple(real_tokens), real_reps) for h, i, e, k in REAL_SHAPES if real_tokens]
-    if args.runs < 1:
-        raise SystemExit(f"--runs must be >= 1, got {args.runs}")
+
+def time_grid(cases: list[Case], methods: set[str], device: torch.device, dtype: torch.dtype, warmup: int,
+              runs: int) -> list[dict[str, object]]:
+    """One CSV row per (run, shape, T), each printed as it is timed under a header of the methods and ratios."""
+    cuda = device.type == "cuda"
     shown = [m for m in METHODS if m in methods]
     print(f"device={device} ({device_name(device)}) dtype={dtype} threads={torch.get_num_threads()} "
           "(median ms; ratios a/b > 1: b faster)")
     print(f"{'H':>5} {'I':>5} {'E':>3} {'k':>2} {'T':>5} " + " ".join(f"{m[:9]:>9}" for m in shown) + " "
           + " ".join(f"{a[:5] + '/' + b[:6]:>13}" for a, b in RATIOS))
     rows = []
-    for run in range(args.runs):
+    for run in range(runs):
         gen = torch.Generator().manual_seed(0)  # every run times the same weights and inputs
         for c in cases:
-            for t, ms in zip(c.tokens, bench_shape(c, dtype, device, methods, args.warmup, c.reps, gen)):
+            for t, ms in zip(c.tokens, bench_shape(c, dtype, device, methods, warmup, c.reps, gen)):
                 row: dict[str, object] = {"device": device.type, "device_name": device_name(device),
                                           "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
                                           "H": c.h, "I": c.i, "E": c.e, "k": c.k, "T": t, "run": run}
@@ -322,6 +329,21 @@ def main(argv: list[str] | None = None) -> None:
                       + " " + " ".join(f"{r:>13.2f}" for r in ratios), flush=True)
             if cuda:
                 torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = DTYPES[args.dtype or ("float16" if cuda else "bfloat16")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = timed_methods(args, device, dtype)
+    cases = grid(args, cuda)
+    if args.runs < 1:
+        raise SystemExit(f"--runs must be >= 1, got {args.runs}")
+    rows = time_grid(cases, methods, device, dtype, args.warmup, args.runs)
     out = Path(args.csv)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 MODELS = ("dsv2", "qwen15moe", "phi35moe")
@@ -98,121 +99,177 @@ def plan_for(cfg):
     return {(r.method, r.batch): r for r in rows}, facts
 
 
+@dataclass(frozen=True)
+class Rehearsal:
+    """One model's rehearsal: what each of its compositions and csv rows repeats."""
+
+    name: str
+    layers: int
+    device: str
+    dtype: str
+    quant: str
+    workdir: Path
+    max_new_tokens: int
+    checkpoint: Path
+
+    def overrides(self, tier: str, budget_gb: float | None = None) -> list[str]:
+        return overrides(self.name, self.checkpoint, tier, budget_gb, self.device, self.dtype, self.quant,
+                         self.max_new_tokens)
+
+    def row(self, tier: str, method: str, **fields) -> dict:
+        return {"model": self.name, "tier": tier, "method": method, "dtype": self.dtype, "device": self.device,
+                "layers": self.layers, **fields}
+
+
 def rehearse_model(name: str, layers: int, device: str, dtype: str, quant: str, workdir: Path,
                    max_new_tokens: int) -> list[dict]:
     """Every method on one real architecture at both tiers; returns the csv rows (raises on a failed check)."""
-    from omegaconf import open_dict
-
-    from specter.experiments.compare import compare
-    from specter.assembly.compose import compose
-    from specter.assembly.errors import BudgetError
-    from specter.assembly.methods import build_method
-
     t0 = time.perf_counter()
     checkpoint = build_checkpoint(name, layers, dtype, workdir / "models" / f"{name}-{layers}l-{dtype}", device)
     print(f"rehearse {name}: checkpoint {checkpoint} ({sum(f.stat().st_size for f in checkpoint.glob('*.safetensors')) / 1e9:.2f} GB, "
           f"built in {time.perf_counter() - t0:.0f} s)", flush=True)
+    r = Rehearsal(name, layers, device, dtype, quant, workdir, max_new_tokens, checkpoint)
     rows: list[dict] = []
-    reference: dict[str, str] = {}
+    reference: dict[str, str] = {}  # target_only's output digest per prompt (filled by the first tier)
     failures: list[str] = []
     for i, tier in enumerate(("high", "low")):
-        base = overrides(name, checkpoint, tier, None, device, dtype, quant, max_new_tokens)
-        plan, facts = plan_for(compose([*base, "experiment=plan", f"output_dir={workdir / 'plan'}"]))
-        spec = plan[("specter", 1)]
-        base_total = spec.total - spec.staging * facts["expert_bytes"]
-        cap = round(1.2 * facts["moe_layers"])
-        budget = base_total + cap * facts["expert_bytes"] + (1 << 20)  # Specter at B=1 with its staging cap, +1 MB
-        budget_gb = budget / 1e9
-        args = [*overrides(name, checkpoint, tier, budget_gb, device, dtype, quant, max_new_tokens), "experiment=compare",
-                f"output_dir={workdir / 'runs' / f'{name}-{tier}'}"]
-        cfg = compose(args)
-        methods = [m for m in ((ONCE if i == 0 else ()) + PER_TIER) if m != "llamacpp"]
-        plan, facts = plan_for(compose([*args[:-2], "experiment=plan", f"output_dir={workdir / 'plan'}"]))
-        # what the plan says does not fit this budget (e.g. SpecMoEOff's second copy of the non-expert
-        # tensors) must be refused by the engine, not run
-        refused = [m for m in methods if m in OFFLOADING and not plan[(m, 1)].fits_budget]
-        methods = [m for m in methods if m not in refused]
-        with open_dict(cfg):
-            cfg.compare.methods = methods
-            cfg.compare.method_overrides = {
-                "specter": {"quant": quant}, "specmoeoff": {"quant": quant},
-            }
-        t = time.perf_counter()
-        root = compare(cfg)
-        from specter.experiments.compare import method_config
-        from specter.assembly.config import bind_checkpoint
-
-        for m in refused:
-            try:
-                refused_cfg = method_config(cfg, m)
-                bind_checkpoint(refused_cfg, checkpoint)  # the checkpoint's facts, as every run gets them
-                build_method(refused_cfg, checkpoint).close()
-                failures.append(f"{name} {tier} {m}: the plan says it does not fit, yet the engine accepted it")
-            except BudgetError:
-                rows.append({"model": name, "tier": tier, "method": m, "dtype": dtype, "device": device,
-                             "layers": layers, "footprint_plan": plan[(m, 1)].total, "budget": budget,
-                             "note": "refused (BudgetError), as the plan predicted"})
-        seconds = time.perf_counter() - t
-        if i == 0 and device == "cpu":  # llama.cpp: its own GGUF export; a failure is reported, the rest still runs
-            try:
-                from specter.experiments.compare import method_config
-                from specter.experiments.run import run
-
-                run(method_config(cfg, "llamacpp"))
-                methods.append("llamacpp")
-            except Exception as err:  # noqa: BLE001 - recorded as a failed check below
-                failures.append(f"{name} llamacpp: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
-                rows.append({"model": name, "tier": "-", "method": "llamacpp", "dtype": dtype, "device": device,
-                             "layers": layers, "note": f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}"})
-        for method in methods:
-            folder = root / method
-            rec = list(csv.DictReader((folder / "records.csv").open()))
-            env = json.loads((folder / "env.json").read_text())
-            digest = ";".join(r["output_digest"] for r in rec)
-            if method == "target_only":
-                reference = {r["prompt_index"]: r["output_digest"] for r in rec}
-            comparable = (name, method) not in NOT_COMPARABLE
-            equal = (all(reference.get(r["prompt_index"]) == r["output_digest"] for r in rec)
-                     if reference and comparable else None)
-            if equal is False:
-                failures.append(f"{name} {tier} {method}: tokens differ from target_only ({digest[:16]}...)")
-            fp_engine = fp_plan = None
-            same = None
-            if method in OFFLOADING:
-                fp = env["method"]["footprint_bytes"]
-                fp_engine = fp["total"]
-                p = plan[(method, 1)]
-                fp_plan = p.total
-                engine = (fp["non_expert"], fp["cache_slots"] + fp["staging"], fp["draft_experts"] + fp["draft_non_expert"],
-                          fp["kv_cache"], fp["scratch"])
-                same = engine == (p.non_expert, p.cache_slots, p.draft, p.kv_cache, p.scratch)
-                if not same:
-                    failures.append(f"{name} {tier} {method}: engine footprint {fp} != plan "
-                                    f"{(p.non_expert, p.cache_slots, p.draft, p.kv_cache, p.scratch)}")
-            tpots = [float(r["tpot_ms"]) for r in rec if r.get("tpot_ms")]
-            rows.append({"model": name, "tier": tier if method not in ONCE else "-", "method": method,
-                         "dtype": dtype, "device": device, "layers": layers,
-                         "resident": env["method"].get("resident_experts_per_layer", ""), "records": len(rec),
-                         "tokens_equal": "" if equal is None else equal, "footprint_engine": fp_engine or "",
-                         "footprint_plan": fp_plan or "", "footprint_equal": "" if same is None else same,
-                         "budget": budget if method in OFFLOADING else "", "tpot_ms": min(tpots) if tpots else "",
-                         "seconds": round(seconds, 1), "note": "" if comparable else "not comparable (routing differs)"})
-        # the budget is enforced at these byte counts: 1 MB under Specter's own footprint is refused
-        under = compose([*overrides(name, checkpoint, tier, (base_total - (1 << 20)) / 1e9, device, dtype, quant,
-                                    max_new_tokens), f"method.quant={quant}", f"output_dir={workdir / 'refused'}"])
-        try:
-            method = build_method(under, checkpoint)
-        except BudgetError as err:
-            print(f"rehearse {name} {tier}: refused as expected: {str(err)[:160]}...", flush=True)
-            rows.append({"model": name, "tier": tier, "method": "specter (budget - 1 MB)", "dtype": dtype,
-                         "device": device, "layers": layers, "note": "refused (BudgetError), as expected"})
-        else:
-            method.close()
-            failures.append(f"{name} {tier}: a budget 1 MB under Specter's footprint was accepted")
+        rows += rehearse_tier(r, tier, i == 0, reference, failures)
     if failures:
         raise AssertionError("; ".join(failures))
     print(f"rehearse {name}: all checks passed in {time.perf_counter() - t0:.0f} s", flush=True)
     return rows
+
+
+def tier_budget(r: Rehearsal, tier: str) -> tuple[int, int]:
+    """(the tier's budget, Specter's B = 1 bytes without staging) from this checkpoint's memory plan: the
+    budget is what Specter needs at B = 1 with its staging cap, + 1 MB."""
+    from specter.assembly.compose import compose
+
+    plan, facts = plan_for(compose([*r.overrides(tier), "experiment=plan", f"output_dir={r.workdir / 'plan'}"]))
+    spec = plan[("specter", 1)]
+    base_total = spec.total - spec.staging * facts["expert_bytes"]
+    cap = round(1.2 * facts["moe_layers"])
+    return base_total + cap * facts["expert_bytes"] + (1 << 20), base_total
+
+
+def rehearse_tier(r: Rehearsal, tier: str, first: bool, reference: dict[str, str], failures: list[str]) -> list[dict]:
+    """One tier: the comparison of every method that fits (the references too on the `first` tier), the
+    plan's refusals checked against the engine, and a budget 1 MB under Specter's footprint refused."""
+    from omegaconf import open_dict
+
+    from specter.experiments.compare import compare
+    from specter.assembly.compose import compose
+
+    budget, base_total = tier_budget(r, tier)
+    args = [*r.overrides(tier, budget / 1e9), "experiment=compare", f"output_dir={r.workdir / 'runs' / f'{r.name}-{tier}'}"]
+    cfg = compose(args)
+    methods = [m for m in ((ONCE if first else ()) + PER_TIER) if m != "llamacpp"]
+    plan, facts = plan_for(compose([*args[:-2], "experiment=plan", f"output_dir={r.workdir / 'plan'}"]))
+    # what the plan says does not fit this budget (e.g. SpecMoEOff's second copy of the non-expert
+    # tensors) must be refused by the engine, not run
+    refused = [m for m in methods if m in OFFLOADING and not plan[(m, 1)].fits_budget]
+    methods = [m for m in methods if m not in refused]
+    with open_dict(cfg):
+        cfg.compare.methods = methods
+        cfg.compare.method_overrides = {
+            "specter": {"quant": r.quant}, "specmoeoff": {"quant": r.quant},
+        }
+    t = time.perf_counter()
+    root = compare(cfg)
+    rows = [refusal_row(r, cfg, tier, m, plan, budget, failures) for m in refused]
+    rows = [row for row in rows if row is not None]
+    seconds = time.perf_counter() - t
+    if first and r.device == "cpu":  # llama.cpp: its own GGUF export; a failure is reported, the rest still runs
+        rows += run_llamacpp(r, cfg, methods, failures)
+    rows += [method_row(r, tier, m, root / m, plan, budget, seconds, reference, failures) for m in methods]
+    rows += budget_under(r, tier, base_total, failures)
+    return rows
+
+
+def refusal_row(r: Rehearsal, cfg, tier: str, method: str, plan: dict, budget: int, failures: list[str]) -> dict | None:
+    """A method the plan says does not fit: its build must raise BudgetError (a row), not succeed (a failure)."""
+    from specter.experiments.compare import method_config
+    from specter.assembly.config import bind_checkpoint
+    from specter.assembly.errors import BudgetError
+    from specter.assembly.methods import build_method
+
+    try:
+        refused_cfg = method_config(cfg, method)
+        bind_checkpoint(refused_cfg, r.checkpoint)  # the checkpoint's facts, as every run gets them
+        build_method(refused_cfg, r.checkpoint).close()
+        failures.append(f"{r.name} {tier} {method}: the plan says it does not fit, yet the engine accepted it")
+    except BudgetError:
+        return r.row(tier, method, footprint_plan=plan[(method, 1)].total, budget=budget,
+                     note="refused (BudgetError), as the plan predicted")
+    return None
+
+
+def run_llamacpp(r: Rehearsal, cfg, methods: list[str], failures: list[str]) -> list[dict]:
+    """llama.cpp's run (its own GGUF export), appended to `methods` when it ran; a failure is a row."""
+    try:
+        from specter.experiments.compare import method_config
+        from specter.experiments.run import run
+
+        run(method_config(cfg, "llamacpp"))
+        methods.append("llamacpp")
+    except Exception as err:  # noqa: BLE001 - recorded as a failed check below
+        failures.append(f"{r.name} llamacpp: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        return [r.row("-", "llamacpp", note=f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}")]
+    return []
+
+
+def method_row(r: Rehearsal, tier: str, method: str, folder: Path, plan: dict, budget: int, seconds: float,
+               reference: dict[str, str], failures: list[str]) -> dict:
+    """One method's run folder checked: its tokens against target_only's, an offloading method's
+    footprint against the plan's bytes."""
+    rec = list(csv.DictReader((folder / "records.csv").open()))
+    env = json.loads((folder / "env.json").read_text())
+    digest = ";".join(row["output_digest"] for row in rec)
+    if method == "target_only":
+        reference.update({row["prompt_index"]: row["output_digest"] for row in rec})
+    comparable = (r.name, method) not in NOT_COMPARABLE
+    equal = (all(reference.get(row["prompt_index"]) == row["output_digest"] for row in rec)
+             if reference and comparable else None)
+    if equal is False:
+        failures.append(f"{r.name} {tier} {method}: tokens differ from target_only ({digest[:16]}...)")
+    fp_engine = fp_plan = None
+    same = None
+    if method in OFFLOADING:
+        fp = env["method"]["footprint_bytes"]
+        fp_engine = fp["total"]
+        p = plan[(method, 1)]
+        fp_plan = p.total
+        engine = (fp["non_expert"], fp["cache_slots"] + fp["staging"], fp["draft_experts"] + fp["draft_non_expert"],
+                  fp["kv_cache"], fp["scratch"])
+        same = engine == (p.non_expert, p.cache_slots, p.draft, p.kv_cache, p.scratch)
+        if not same:
+            failures.append(f"{r.name} {tier} {method}: engine footprint {fp} != plan "
+                            f"{(p.non_expert, p.cache_slots, p.draft, p.kv_cache, p.scratch)}")
+    tpots = [float(row["tpot_ms"]) for row in rec if row.get("tpot_ms")]
+    return r.row(tier if method not in ONCE else "-", method,
+                 resident=env["method"].get("resident_experts_per_layer", ""), records=len(rec),
+                 tokens_equal="" if equal is None else equal, footprint_engine=fp_engine or "",
+                 footprint_plan=fp_plan or "", footprint_equal="" if same is None else same,
+                 budget=budget if method in OFFLOADING else "", tpot_ms=min(tpots) if tpots else "",
+                 seconds=round(seconds, 1), note="" if comparable else "not comparable (routing differs)")
+
+
+def budget_under(r: Rehearsal, tier: str, base_total: int, failures: list[str]) -> list[dict]:
+    """The budget is enforced at these byte counts: 1 MB under Specter's own footprint is refused."""
+    from specter.assembly.compose import compose
+    from specter.assembly.errors import BudgetError
+    from specter.assembly.methods import build_method
+
+    under = compose([*r.overrides(tier, (base_total - (1 << 20)) / 1e9), f"method.quant={r.quant}",
+                     f"output_dir={r.workdir / 'refused'}"])
+    try:
+        method = build_method(under, r.checkpoint)
+    except BudgetError as err:
+        print(f"rehearse {r.name} {tier}: refused as expected: {str(err)[:160]}...", flush=True)
+        return [r.row(tier, "specter (budget - 1 MB)", note="refused (BudgetError), as expected")]
+    method.close()
+    failures.append(f"{r.name} {tier}: a budget 1 MB under Specter's footprint was accepted")
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,13 +9,14 @@
             print(piece, end="", flush=True)
 
 `load` takes the config groups and keys of `python run.py` as keyword arguments (a dotted key as
-``**{"method.quant": "rtn"}``) and builds one Method exactly as `specter generate` and `specter serve`
-do (specter/serve/build.py: the same schema and checks, warm-up and link calibration). `generate`
-decodes its prompts together through the method's batched request loop (specter, the methods built
+``**{"method.quant": "rtn"}``) and builds one Method through `load_overrides`, as `specter generate`
+and `specter serve` do (specter/serve/build.py: the same schema and checks, warm-up and link
+calibration). `generate` decodes its prompts together through the method's batched request loop (specter, the methods built
 on its engine, target_only, offload_ar), at most the memory tier's largest fitting batch at a time,
 and one by one for a method without one. Bad input raises the project's one-line exceptions
 (ConfigError and the other user errors of specter/assembly/errors.py) before anything decodes.
-`specter generate` is this module's `stream` on the command line (specter/cli.py).
+`specter generate` is this module's `stream` on the command line, and `specter serve` answers HTTP
+requests over an Engine (specter/cli.py).
 """
 
 from __future__ import annotations
@@ -139,17 +140,22 @@ def load(model: str | None = None, memory: str | None = None, method: str | None
     ``prefix_tokens=512`` to reserve room for longer prompts in a method without a request loop).
     ``max_batch`` caps the requests decoded together (default: the tier's largest fitting batch,
     at most 32)."""
-    from specter.serve.build import MAX_BATCH
-    from specter.serve.build import load as build
-
     groups = {k: v for k, v in (("model", model), ("memory", memory), ("method", method)) if v is not None}
     for k, v in groups.items():
         if not isinstance(v, str) or not v:
             raise ConfigError(f"{k} must be the name of a config in conf/{k}/, got {v!r}")
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
         raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-    args = overrides_of({**groups, **overrides})
-    return Engine(build(args, max_batch=max_batch or MAX_BATCH, warm=warm))
+    return load_overrides(overrides_of({**groups, **overrides}), max_batch=max_batch, warm=warm)
+
+
+def load_overrides(overrides: list[str], *, max_batch: int | None = None, warm: bool = True) -> Engine:
+    """An Engine from Hydra override strings as the command line gives them ("model=tiny_dsv2", "K=8"):
+    the one builder behind `load`, `specter generate` and `specter serve`."""
+    from specter.serve.build import MAX_BATCH
+    from specter.serve.build import load as build
+
+    return Engine(build(overrides, max_batch=max_batch or MAX_BATCH, warm=warm))
 
 
 # ---------------------------------------------------------------------------------- the engine
@@ -183,6 +189,15 @@ class Engine:
     @property
     def max_batch(self) -> int:
         return self.served.max_batch
+
+    @property
+    def name(self) -> str:
+        """The model name (the config's), as the HTTP server's clients send it."""
+        return self.served.name
+
+    @property
+    def context_length(self) -> int:
+        return self.served.context_length
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"batch up to {self.max_batch}"

@@ -83,10 +83,10 @@ def _flag(settings: dict[str, str], key: str) -> bool:
 def generate_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
-    from specter.api import Engine
+    from specter.api import load_overrides
     from specter.assembly.config import ConfigError
     from specter.assembly.runtime import model_checkpoint
-    from specter.serve.build import compose_checked, load
+    from specter.serve.build import compose_checked
 
     overrides, settings = split_overrides(argv, GENERATE_KEYS)
     if not settings.get("prompt"):
@@ -102,7 +102,7 @@ def generate_main(argv: list[str]) -> int:
     if not ids:
         raise ConfigError("the prompt has no tokens")
     # the whole prompt is decoded (run.py truncates to prefix_tokens): the decoders size their caches from it
-    engine = Engine(load([*overrides, f"prefix_tokens={max(len(ids), int(cfg.prefix_tokens))}"], max_batch=1))
+    engine = load_overrides([*overrides, f"prefix_tokens={max(len(ids), int(cfg.prefix_tokens))}"], max_batch=1)
     try:  # the Python API's stream (specter/api.py): text as each window commits, then the statistics
         stream = engine.stream(settings["prompt"], ignore_eos=ignore_eos)
         for piece in stream:
@@ -119,9 +119,10 @@ def generate_main(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------- serve
 def serve_main(argv: list[str]) -> int:
+    from specter.api import load_overrides
     from specter.entry import OneLineParser, bounded
     from specter.assembly.config import ConfigError
-    from specter.serve.build import MAX_BATCH, compose_checked, load
+    from specter.serve.build import MAX_BATCH, compose_checked
     from specter.serve.server import bind_socket, is_loopback, make_server
 
     parser = OneLineParser(prog="specter serve", description="OpenAI-compatible HTTP server "
@@ -145,15 +146,15 @@ def serve_main(argv: list[str]) -> int:
     if not is_loopback(args.host):
         print(f"specter serve: warning: --host {args.host} exposes the server to the network; it has no "
               "authentication (docs/serving.md)", file=sys.stderr, flush=True)
-    try:
-        served = load(overrides, max_batch=args.max_batch)
+    try:  # built as the Python API builds it (specter/api.py)
+        engine = load_overrides(overrides, max_batch=args.max_batch)
     except BaseException:
         sock.close()
         raise
     try:
-        parts = make_server(served, args.host, port, args.max_queue, args.drain_timeout, log_level="info")
-        print(f"specter serve: {served.name} ({served.method.name}, {served.cfg.memory.name} tier, batch up to "
-              f"{served.max_batch}, queue {args.max_queue}) on http://{args.host}:{port}/v1", flush=True)
+        parts = make_server(engine, args.host, port, args.max_queue, args.drain_timeout, log_level="info")
+        print(f"specter serve: {engine.name} ({engine.method.name}, {engine.cfg.memory.name} tier, batch up to "
+              f"{engine.max_batch}, queue {args.max_queue}) on http://{args.host}:{port}/v1", flush=True)
         stopped: list[int] = []
         # uvicorn handles SIGTERM/SIGINT while it runs (stop accepting, finish in-flight requests, drain the
         # engine), then raises the signal again under the handler it found: this one, so the runtime is
@@ -171,7 +172,7 @@ def serve_main(argv: list[str]) -> int:
                 signal.signal(sig, handler)
     finally:
         sock.close()
-        served.close()
+        engine.close()
     if parts.loop.failure is not None:  # the engine stopped: the server exited instead of answering 503s
         print(f"specter serve: error: the engine stopped ({parts.loop.failure})", file=sys.stderr, flush=True)
         return 1

@@ -145,7 +145,7 @@ def test_a_sigterm_before_uvicorn_takes_the_signals_still_stops_the_server(monke
     class FakeMethod:
         name = "specter"
 
-    class FakeServed:
+    class FakeEngine:
         name, method, max_batch = "tiny_dsv2", FakeMethod(), 1
         cfg = type("C", (), {"memory": type("M", (), {"name": "low"})()})()
 
@@ -154,7 +154,7 @@ def test_a_sigterm_before_uvicorn_takes_the_signals_still_stops_the_server(monke
 
     ran, closed = [], []
     monkeypatch.setattr("specter.serve.build.compose_checked", lambda overrides: None)
-    monkeypatch.setattr("specter.serve.build.load", lambda overrides, max_batch: FakeServed())
+    monkeypatch.setattr("specter.api.load_overrides", lambda overrides, max_batch: FakeEngine())
     monkeypatch.setattr(server_mod, "make_server", lambda *a, **k: type("P", (), {"server": FakeServer(),
                                                                                   "loop": FakeLoop()})())
     rc = specter_cli.main(["serve", "--port", "0", *TINY])

@@ -44,6 +44,25 @@ def validate(cfg: DictConfig) -> None:
     _require(not missing, f"required settings are missing: {sorted(missing)}")
     for group in ("model", "memory", "dataset", "method", "hardware"):
         _require(isinstance(cfg.get(group), DictConfig), f"config group '{group}' is not selected")
+    _protocol(cfg)
+    _sampling(cfg)
+    for name in str(cfg.dataset.name).split(","):  # one name, 'all', or a comma list ('c4,humaneval')
+        _choice("dataset.name", name.strip(), (*DATASETS, "all"))
+    _hardware(cfg)
+    _model_draft(cfg)
+    _method_settings(cfg)
+    _names(cfg)
+    _method_values(cfg)
+    from specter.assembly.runners import runner_problem
+
+    m = cfg.method
+    problem = runner_problem(m.name, m.get("runner"))
+    _require(problem is None, problem or "")
+    _runner_identity(m.name, m.get("runner"))
+
+
+def _protocol(cfg: DictConfig) -> None:
+    """Counts, the seed, and the lengths that must fit the model's context (K+1 speculative positions included)."""
     _int(cfg, "num_prompts", 1)
     _int(cfg, "repeats", 1)
     _int(cfg, "max_new_tokens", 1)
@@ -69,12 +88,17 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.prefix_tokens + cfg.warmup_tokens + extra <= ctx,
              f"prefix_tokens + warmup_tokens (+ K+1 speculative positions) = "
              f"{cfg.prefix_tokens + cfg.warmup_tokens + extra} exceeds {cfg.model.name}'s context ({ctx})")
+
+
+def _sampling(cfg: DictConfig) -> None:
     _require(math.isfinite(cfg.temperature) and cfg.temperature >= 0,
              f"temperature must be a finite number >= 0, got {cfg.temperature}")
     _require(math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
     _require(cfg.top_k >= 0, f"top_k must be >= 0 (0 = off), got {cfg.top_k}")
-    for name in str(cfg.dataset.name).split(","):  # one name, 'all', or a comma list ('c4,humaneval')
-        _choice("dataset.name", name.strip(), (*DATASETS, "all"))
+
+
+def _hardware(cfg: DictConfig) -> None:
+    """The link, dtype, kernel and device, and the numbers that time an emulated link."""
     _choice("hardware.link", cfg.hardware.link, LINK_KINDS)
     _choice("hardware.dtype", cfg.hardware.dtype, tuple(DTYPES))
     _choice("hardware.draft_kernel", cfg.hardware.get("draft_kernel", "auto"), ("auto", *DRAFT_KERNELS))
@@ -84,6 +108,11 @@ def validate(cfg: DictConfig) -> None:
     _require(hw.bandwidth_gbps is None or hw.bandwidth_gbps > 0,
              f"hardware.bandwidth_gbps must be > 0 (or null to calibrate), got {hw.bandwidth_gbps}")
     _require(hw.latency_us is None or hw.latency_us >= 0, f"hardware.latency_us must be >= 0, got {hw.latency_us}")
+
+
+def _model_draft(cfg: DictConfig) -> None:
+    """The model's load ratio and draft precision; an emulated link with no bandwidth needs the ratio."""
+    hw = cfg.hardware
     ratio = cfg.model.get("load_ratio")
     _require(ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
                                and ratio > 0),
@@ -97,6 +126,10 @@ def validate(cfg: DictConfig) -> None:
     _require(hw.get("load_ratio_tolerance", 0.25) > 0,
              f"hardware.load_ratio_tolerance must be > 0 (relative), got {hw.get('load_ratio_tolerance')}")
     _require(hw.get("ratio_probe_steps", 0) >= 0, f"hardware.ratio_probe_steps must be >= 0, got {hw.get('ratio_probe_steps')}")
+
+
+def _method_settings(cfg: DictConfig) -> None:
+    """The memory budget against the method's schedule, and the method's own choices."""
     budget = cfg.memory.budget_mb
     _require(budget is None or budget > 0, f"memory.budget_mb must be > 0 (or null for the tier's budget), got {budget}")
     m = cfg.method
@@ -112,13 +145,6 @@ def validate(cfg: DictConfig) -> None:
         _int(cfg, "method.calibration_prompts", 1)
     if cfg.verify_lossless and cfg.temperature > 0:
         raise ConfigError("verify_lossless compares against greedy target-only decoding: it needs temperature=0")
-    _names(cfg)
-    _method_values(cfg)
-    from specter.assembly.runners import runner_problem
-
-    problem = runner_problem(m.name, m.get("runner"))
-    _require(problem is None, problem or "")
-    _runner_identity(m.name, m.get("runner"))
 
 
 def _runner_identity(name: str, runner: Any) -> None:

@@ -74,47 +74,19 @@ def expert_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
             in_flight.append(handle)
 
     submit_waiting()
-    outputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}  # expert -> [n, H], weighted
     while ready or in_flight:
-        # Hits whose slot is ready go first; a hit still in flight (a late prefetch) does not hold
-        # back a miss that has already landed. Otherwise wait on the oldest copy (FIFO link).
-        i = next((i for i, h in enumerate(ready) if h.ready.done()), None)
-        if i is not None:
-            handle = ready[i]
-            del ready[i]
-        elif (j := next((j for j, h in enumerate(in_flight) if h.ready.done()), None)) is not None:
-            handle = in_flight.pop(j)
-        elif ready:
-            handle = ready.popleft()
-        else:
-            handle = in_flight.pop(0)
-        t_wait = time.perf_counter() if tracer is not None else 0.0
-        cache.wait(handle)
-        t_compute = time.perf_counter() if tracer is not None else 0.0
+        handle = _next_to_compute(ready, in_flight)
         tok, pos = by_expert[handle.uid.expert]
-        gate_up, down = cache.views(handle)
-        y = expert_ffn(x[tok], gate_up, down, act_fn)  # [n, H]
-        outputs[handle.uid.expert] = y * topk_w[tok, pos, None]
-        if meter is not None:
-            meter.expert(handle.uid, len(tok), cache.slot_buffer(handle.uid.layer, handle.slot))
-        if tracer is not None:
-            uid = handle.uid
-            tracer.span("wait", t_wait, t_compute, layer=uid.layer, expert=uid.expert, phase="hit" if handle.hit else "miss")
-            tracer.span("compute", t_compute, time.perf_counter(), layer=uid.layer, expert=uid.expert)
+        outputs[handle.uid.expert] = _compute(x, topk_w, tok, pos, handle, cache, act_fn, tracer, meter)
         if on_expert is not None:
             on_expert(handle.uid, handle.hit)
         cache.release(handle)
         submit_waiting()  # rolling: the slot just released takes the next miss
         if waiting and not ready and not in_flight:
-            raise RuntimeError(
-                f"layer {layer}: all {cache.capacity(layer)} expert slots are protected elsewhere; "
-                f"cannot load expert {waiting[0].expert}"
-            )
+            raise _no_free_slot(cache, layer, waiting[0])
     if waiting:
-        raise RuntimeError(
-            f"layer {layer}: all {cache.capacity(layer)} expert slots are protected elsewhere; "
-            f"cannot load expert {waiting[0].expert}"
-        )
+        raise _no_free_slot(cache, layer, waiting[0])
     if cache.wants_hints:
         cache.end_pass(layer)
 
@@ -122,6 +94,43 @@ def expert_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
     for e in sorted(outputs):
         final.index_add_(0, by_expert[e][0], outputs[e].to(final.dtype))
     return final
+
+
+def _next_to_compute(ready: deque[SlotHandle], in_flight: list[SlotHandle]) -> SlotHandle:
+    """Hits whose slot is ready go first; a hit still in flight (a late prefetch) does not hold
+    back a miss that has already landed. Otherwise wait on the oldest copy (FIFO link)."""
+    i = next((i for i, h in enumerate(ready) if h.ready.done()), None)
+    if i is not None:
+        handle = ready[i]
+        del ready[i]
+        return handle
+    if (j := next((j for j, h in enumerate(in_flight) if h.ready.done()), None)) is not None:
+        return in_flight.pop(j)
+    return ready.popleft() if ready else in_flight.pop(0)
+
+
+def _compute(x: torch.Tensor, topk_w: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, handle: SlotHandle,
+             cache: ExpertCache, act_fn: ActFn, tracer, meter) -> torch.Tensor:
+    """One expert's output ``[n, H]`` over its ``n`` tokens ``x[tok]``, weighted by their routing
+    weights ``topk_w[tok, pos]``, once its slot's copy has landed."""
+    t_wait = time.perf_counter() if tracer is not None else 0.0
+    cache.wait(handle)
+    t_compute = time.perf_counter() if tracer is not None else 0.0
+    gate_up, down = cache.views(handle)
+    y = expert_ffn(x[tok], gate_up, down, act_fn)  # [n, H]
+    out = y * topk_w[tok, pos, None]
+    if meter is not None:
+        meter.expert(handle.uid, len(tok), cache.slot_buffer(handle.uid.layer, handle.slot))
+    if tracer is not None:
+        uid = handle.uid
+        tracer.span("wait", t_wait, t_compute, layer=uid.layer, expert=uid.expert, phase="hit" if handle.hit else "miss")
+        tracer.span("compute", t_compute, time.perf_counter(), layer=uid.layer, expert=uid.expert)
+    return out
+
+
+def _no_free_slot(cache: ExpertCache, layer: int, uid: ExpertUID) -> RuntimeError:
+    return RuntimeError(f"layer {layer}: all {cache.capacity(layer)} expert slots are protected elsewhere; "
+                        f"cannot load expert {uid.expert}")
 
 
 def token_wise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, layer: int, cache: ExpertCache,

@@ -108,182 +108,230 @@ def _profile_args(s: Settings, model: str, tier: str, method: str) -> list[str]:
 
 def build_plan(s: Settings, data: DatasetDecision, repo: Path = REPO) -> Plan:
     """Every step, with `data.ready` passed to each run explicitly (dataset=...)."""
-    plan = Plan(mode=s.mode)
-    py = s.python
-    assets = [f"assets_dir={s.assets}"] if s.assets else []
-    ds = dataset_overrides(data.ready) if data.ready else ["dataset=all"]
-    # QUICK batches and ablates prefetching on one dataset (experiment=batch's own default is one:
-    # humaneval); the full protocol on every dataset present
-    batch_sets = (primary(data.batch_ready),) if s.quick and data.batch_ready else data.batch_ready
-    prefetch_sets = (primary(data.ready),) if s.quick and data.ready else data.ready
-    ds_batch = dataset_overrides(batch_sets) if batch_sets else []
-    n_ds, n_batch_ds = len(data.ready), len(batch_sets)
+    b = _Builder(s, data, repo)
+    b.datasets_and_training()
+    if not s.launcher:
+        b.k_sweeps()
+        b.main_grid()
+        b.staging_ablation()
+    else:
+        b.sweeps.update(_multirun_grid(b.plan, s, b.ds, b.assets, b.trained, data))
+    b.batching()
+    b.trace()
+    b.benchmarks()
+    b.plan.add("figures", "figures", [s.python, "make_figures.py", "--results", str(s.results), "--figures",
+                                      str(s.figures)])
+    return b.plan
 
-    prepare = [py, "-m", "initialization.prepare_datasets", "--datasets", s.dataset]
-    datasets_step = plan.add("datasets", "datasets", prepare + (["--assets", s.assets] if s.assets else []))
-    data_needs = (datasets_step.name,)
 
-    trained: dict[str, str] = {}  # model -> the training step it needs
-    for m in s.models:
-        if not (is_tiny(m) and s.trained):
-            continue
-        folder = s.home / "models" / f"{m}-trained"
-        step = plan.add("train", f"train-{m}", [py, "-m", "initialization.train_tiny", m, "--no-progress"],
-                        checks=(Check("trained", folder),), model=m)
-        trained[m] = step.name
+class _Builder:
+    """A plan as it is built, step kind by step kind in run order, with what the steps share: the run's
+    dataset and assets overrides, the protocols' sizes, and which step writes each model's training and
+    K profile (a later step needs it)."""
 
-    def needs(model: str, *more: str) -> tuple[str, ...]:
-        return (*data_needs, *((trained[model],) if model in trained else ()), *more)
+    def __init__(self, s: Settings, data: DatasetDecision, repo: Path):
+        self.s, self.data, self.repo = s, data, repo
+        self.plan = Plan(mode=s.mode)
+        self.assets = [f"assets_dir={s.assets}"] if s.assets else []
+        self.ds = dataset_overrides(data.ready) if data.ready else ["dataset=all"]
+        # QUICK batches and ablates prefetching on one dataset (experiment=batch's own default is one:
+        # humaneval); the full protocol on every dataset present
+        self.batch_sets = (primary(data.batch_ready),) if s.quick and data.batch_ready else data.batch_ready
+        self.prefetch_sets = (primary(data.ready),) if s.quick and data.ready else data.ready
+        self.data_needs: tuple[str, ...] = ()
+        self.trained: dict[str, str] = {}  # model -> the training step it needs
+        self.sweeps: dict[tuple[str, str], str] = {}  # (model, tier) -> the step that writes its K profile
+        self.own_sweeps: dict[tuple[str, str, str], str] = {}  # (model, tier, method) -> the step of a method's own profile
+        self.sweep = protocol("k_sweep", s.quick, repo, s.sizes)
+        self.main = protocol("main", s.quick, repo, s.sizes)
+        self.batch = protocol("batch", s.quick, repo, s.sizes)
 
-    def trained_opt(model: str) -> list[str]:
-        return [f"model.trained={str(s.trained).lower()}"] if is_tiny(model) else []
+    # -- what the steps share
+    def needs(self, model: str, *more: str) -> tuple[str, ...]:
+        return (*self.data_needs, *((self.trained[model],) if model in self.trained else ()), *more)
 
-    sweep = protocol("k_sweep", s.quick, repo, s.sizes)
-    main = protocol("main", s.quick, repo, s.sizes)
-    batch = protocol("batch", s.quick, repo, s.sizes)
-    quick_over = (lambda p, e: p.overrides(e)) if s.quick else (lambda p, e: [])
-    sweeps: dict[tuple[str, str], str] = {}  # (model, tier) -> the step that writes its K profile
-    own_sweeps: dict[tuple[str, str, str], str] = {}  # (model, tier, method) -> the step of a method's own profile
+    def trained_opt(self, model: str) -> list[str]:
+        return [f"model.trained={str(self.s.trained).lower()}"] if is_tiny(model) else []
 
-    def sweep_of(model: str, tier: str, method: str = "specter") -> tuple[str, ...]:
-        tier = "low" if s.quick else tier
-        name = sweeps.get((model, tier)) if is_method(method, reads_specter_profile=True) else own_sweeps.get((model, tier, method))
+    def quick_over(self, p, experiment: str) -> list[str]:
+        """A shortened run's protocol overrides of `experiment`; none for the full protocol."""
+        return p.overrides(experiment) if self.s.quick else []
+
+    def sweep_of(self, model: str, tier: str, method: str = "specter") -> tuple[str, ...]:
+        """The step that writes the K profile a run of `method` reads (none when no step of this plan does)."""
+        tier = "low" if self.s.quick else tier
+        name = (self.sweeps.get((model, tier)) if is_method(method, reads_specter_profile=True)
+                else self.own_sweeps.get((model, tier, method)))
         return (name,) if name else ()
 
-    if not s.launcher:
+    def run_argv(self, experiment: str, model: str, tier: str, method: str, *extra: str) -> list[str]:
+        """A main-grid run (experiment=main) of one method; the ablation adds its override in `extra`."""
+        s = self.s
+        return [s.python, "run.py", f"experiment={experiment}", f"model={model}", f"memory={tier}", f"method={method}",
+                f"hardware={s.method_hardware(method)}", *self.ds, *self.trained_opt(model),
+                *self.quick_over(self.main, "main"), *self.assets, *_profile_args(s, model, tier, method), *extra]
+
+    # -- the steps, in run order
+    def datasets_and_training(self) -> None:
+        s, py = self.s, self.s.python
+        prepare = [py, "-m", "initialization.prepare_datasets", "--datasets", s.dataset]
+        datasets_step = self.plan.add("datasets", "datasets", prepare + (["--assets", s.assets] if s.assets else []))
+        self.data_needs = (datasets_step.name,)
+        for m in s.models:
+            if not (is_tiny(m) and s.trained):
+                continue
+            folder = s.home / "models" / f"{m}-trained"
+            step = self.plan.add("train", f"train-{m}", [py, "-m", "initialization.train_tiny", m, "--no-progress"],
+                                 checks=(Check("trained", folder),), model=m)
+            self.trained[m] = step.name
+
+    def k_sweeps(self) -> None:
+        """Specter's K profile per model and tier; a method with a K range of its own sweeps it too."""
+        s, py, sweep, n_ds = self.s, self.s.python, self.sweep, len(self.data.ready)
         for m in s.models:
             for tier in s.sweep_tiers:
                 out = s.results / "k_sweep" / f"{m}-{tier}-{s.hardware}"
-                sweeps[(m, tier)] = plan.add("k_sweep", f"k_sweep-{m}-{tier}",
+                self.sweeps[(m, tier)] = self.plan.add("k_sweep", f"k_sweep-{m}-{tier}",
                          [py, "run.py", "experiment=k_sweep", f"model={m}", f"memory={tier}", f"hardware={s.hardware}",
-                          *ds, *trained_opt(m), *quick_over(sweep, "k_sweep"), *assets, f"output_dir={out}"],
-                         needs=needs(m), checks=(Check("k_sweep", out),),
+                          *self.ds, *self.trained_opt(m), *self.quick_over(sweep, "k_sweep"), *self.assets,
+                          f"output_dir={out}"],
+                         needs=self.needs(m), checks=(Check("k_sweep", out),),
                          records=n_ds * sweep.num_prompts * sweep.repeats * len(sweep.k_values),
                          units=len(sweep.k_values), model=m, method="specter").name
                 for method in (x for x in s.methods if is_method(x, own_k_profile=True)):  # its own K range, not the paper's set
                     out = _k_profile(s, m, tier, method).parent
-                    k_range = len((yaml.safe_load((repo / "conf" / "method" / f"{method}.yaml").read_text()) or {})
+                    k_range = len((yaml.safe_load((self.repo / "conf" / "method" / f"{method}.yaml").read_text()) or {})
                                   .get("k_range") or ())
-                    own_sweeps[(m, tier, method)] = plan.add(
+                    self.own_sweeps[(m, tier, method)] = self.plan.add(
                         "k_sweep", f"k_sweep-{m}-{tier}-{method}",
                         [py, "run.py", "experiment=k_sweep", f"method={method}", f"model={m}", f"memory={tier}",
-                         f"hardware={s.hardware}", *ds, *trained_opt(m),
-                         *[o for o in quick_over(sweep, "k_sweep") if not o.startswith("k_sweep.values=")], *assets,
-                         f"output_dir={out}"],
-                        needs=needs(m), checks=(Check("k_sweep", out),),
+                         f"hardware={s.hardware}", *self.ds, *self.trained_opt(m),
+                         *[o for o in self.quick_over(sweep, "k_sweep") if not o.startswith("k_sweep.values=")],
+                         *self.assets, f"output_dir={out}"],
+                        needs=self.needs(m), checks=(Check("k_sweep", out),),
                         records=n_ds * sweep.num_prompts * sweep.repeats * k_range, units=k_range, model=m,
                         method=method).name
+
+    def main_grid(self) -> None:
+        s, main, data = self.s, self.main, self.data
         for m in s.models:
             for tier in s.tiers:
                 # a tiny model's methods all fit one process: a cell; a real model's do not (each fills the tier's
                 # GPU budget), so each method keeps a step of its own there
                 inside = [x for x in s.methods if not is_method(x, out_of_process=True)] if is_tiny(m) else []
-                _cell_step(plan, s, m, tier, inside, ds, assets, trained_opt(m), quick_over(main, "main"), main,
-                           data, needs=lambda *more, m=m: needs(m, *more),
-                           sweeps={x: sweep_of(m, tier, x) for x in inside})
+                _cell_step(self.plan, s, m, tier, inside, self.ds, self.assets, self.trained_opt(m),
+                           self.quick_over(main, "main"), main, data, needs=lambda *more, m=m: self.needs(m, *more),
+                           sweeps={x: self.sweep_of(m, tier, x) for x in inside})
                 for method in (x for x in s.methods if x not in inside):
-                    extra, more = _profile_args(s, m, tier, method), sweep_of(m, tier, method)
                     out = s.results / "main" / f"{m}-{method}-{tier}"
-                    plan.add("main", f"main-{m}-{tier}-{method}",
-                             [py, "run.py", "experiment=main", f"model={m}", f"memory={tier}", f"method={method}",
-                              f"hardware={s.method_hardware(method)}", *ds, *trained_opt(m),
-                              *quick_over(main, "main"), *assets, *extra, f"output_dir={out}"],
-                             needs=needs(m, *more), checks=(Check("run", out, data.ready),),
-                             records=n_ds * main.num_prompts * main.repeats, model=m, method=method)
-        # the staging ablation: the same runs with method.staging_buffers=0 (QUICK and
-        # REFERENCE: the first model's low tier)
+                    self.plan.add("main", f"main-{m}-{tier}-{method}",
+                                  self.run_argv("main", m, tier, method, f"output_dir={out}"),
+                                  needs=self.needs(m, *self.sweep_of(m, tier, method)),
+                                  checks=(Check("run", out, data.ready),),
+                                  records=len(data.ready) * main.num_prompts * main.repeats, model=m, method=method)
+
+    def staging_ablation(self) -> None:
+        """The same runs with method.staging_buffers=0 (QUICK and REFERENCE: the first model's low tier)."""
+        s, main, data = self.s, self.main, self.data
         for m in s.models[:1] if s.quick else s.models:
             for tier in ("low",) if s.quick else s.tiers:
                 for method in (x for x in s.methods if is_method(x, owns_cache=True, preset_of=None)):
-                    extra, more = _profile_args(s, m, tier, method), sweep_of(m, tier, method)
                     out = s.results / "ablation" / "staging0" / f"{m}-{method}-{tier}"
-                    plan.add("ablation", f"ablation-staging0-{m}-{tier}-{method}",
-                             [py, "run.py", "experiment=main", f"model={m}", f"memory={tier}", f"method={method}",
-                              f"hardware={s.method_hardware(method)}", *ds, *trained_opt(m),
-                              *quick_over(main, "main"), *assets, *extra, "method.staging_buffers=0",
-                              f"output_dir={out}"],
-                             needs=needs(m, *more), checks=(Check("run", out, data.ready),),
-                             records=n_ds * main.num_prompts * main.repeats, model=m, method=method)
-    else:
-        sweeps.update(_multirun_grid(plan, s, ds, assets, trained, data))
+                    self.plan.add("ablation", f"ablation-staging0-{m}-{tier}-{method}",
+                                  self.run_argv("main", m, tier, method, "method.staging_buffers=0", f"output_dir={out}"),
+                                  needs=self.needs(m, *self.sweep_of(m, tier, method)),
+                                  checks=(Check("run", out, data.ready),),
+                                  records=len(data.ready) * main.num_prompts * main.repeats, model=m, method=method)
 
-    if not (repo / "conf" / "experiment" / "batch.yaml").is_file():
-        plan.notes.append("batch: conf/experiment/batch.yaml not found; Figs. 15/16 and Table 3 will be skipped")
-    elif not ds_batch:
-        plan.notes.append(f"batch: no dataset yields {batch.num_prompts} prompts; Figs. 15/16 and Table 3 "
-                          "will be skipped")
-    else:
+    def batching(self) -> None:
+        s, batch, py = self.s, self.batch, self.s.python
+        ds_batch = dataset_overrides(self.batch_sets) if self.batch_sets else []
+        if not (self.repo / "conf" / "experiment" / "batch.yaml").is_file():
+            self.plan.notes.append("batch: conf/experiment/batch.yaml not found; Figs. 15/16 and Table 3 will be skipped")
+            return
+        if not ds_batch:
+            self.plan.notes.append(f"batch: no dataset yields {batch.num_prompts} prompts; Figs. 15/16 and Table 3 "
+                                   "will be skipped")
+            return
         for m in s.batch_models:
             for method in s.batch_methods:
                 if method not in s.methods:
                     continue
                 extra, more = [], ()
                 if is_method(method, tunes_k=True):
-                    extra, more = _profile_args(s, m, "high", method), sweep_of(m, "high", method)
+                    extra, more = _profile_args(s, m, "high", method), self.sweep_of(m, "high", method)
                 hw = s.method_hardware(method)
                 out = s.results / "batch" / f"{m}-{method}-high-{hw}"
-                plan.add("batch", f"batch-{m}-{method}",
-                         [py, "run.py", "experiment=batch", f"model={m}", "memory=high", f"method={method}",
-                          f"hardware={hw}", *ds_batch, *trained_opt(m), *quick_over(batch, "batch"), *assets, *extra,
-                          f"output_dir={out}"],
-                         needs=needs(m, *more),
-                         checks=(Check("batch", out),), records=n_batch_ds * batch.num_prompts * len(batch.batch_sizes),
-                         units=len(batch.batch_sizes), model=m, method=method)
+                self.plan.add("batch", f"batch-{m}-{method}",
+                              [py, "run.py", "experiment=batch", f"model={m}", "memory=high", f"method={method}",
+                               f"hardware={hw}", *ds_batch, *self.trained_opt(m), *self.quick_over(batch, "batch"),
+                               *self.assets, *extra, f"output_dir={out}"],
+                              needs=self.needs(m, *more), checks=(Check("batch", out),),
+                              records=len(self.batch_sets) * batch.num_prompts * len(batch.batch_sizes),
+                              units=len(batch.batch_sizes), model=m, method=method)
 
-    trace_ok = "specter" in s.methods and s.hardware != "cuda" and \
-        "trace_windows" in {f.name for f in fields(SpecterMethodConfig)}
-    if trace_ok:
-        trace_ds = primary(data.ready)
+    def trace(self) -> None:
+        """The planner timeline: one traced Specter run per model (CPU only: its windows are timed on the host)."""
+        s, py = self.s, self.s.python
+        trace_ok = "specter" in s.methods and s.hardware != "cuda" and \
+            "trace_windows" in {f.name for f in fields(SpecterMethodConfig)}
+        if not trace_ok:
+            self.plan.notes.append("trace: no method.trace_windows (or HARDWARE=cuda, or no specter in METHODS); the "
+                                   "planner timeline (Figs. 8/9) will be skipped")
+            return
+        trace_ds = primary(self.data.ready)
         for m in s.models:
             out = s.results / "trace" / f"{m}-specter-low"
-            plan.add("trace", f"trace-{m}",
-                     [py, "run.py", f"model={m}", "memory=low", "method=specter", f"hardware={s.hardware}",
-                      f"dataset={trace_ds}", "num_prompts=1", "repeats=1", *trained_opt(m), *assets,
-                      f"k_profile={_k_profile(s, m, 'low')}", "method.trace_windows=true", f"output_dir={out}"],
-                     needs=needs(m, *sweep_of(m, "low")),
-                     checks=(Check("trace", out, (trace_ds,)),), records=1, model=m, method="specter")
-    else:
-        plan.notes.append("trace: no method.trace_windows (or HARDWARE=cuda, or no specter in METHODS); the planner "
-                          "timeline (Figs. 8/9) will be skipped")
+            self.plan.add("trace", f"trace-{m}",
+                          [py, "run.py", f"model={m}", "memory=low", "method=specter", f"hardware={s.hardware}",
+                           f"dataset={trace_ds}", "num_prompts=1", "repeats=1", *self.trained_opt(m), *self.assets,
+                           f"k_profile={_k_profile(s, m, 'low')}", "method.trace_windows=true", f"output_dir={out}"],
+                          needs=self.needs(m, *self.sweep_of(m, "low")),
+                          checks=(Check("trace", out, (trace_ds,)),), records=1, model=m, method="specter")
 
-    bench = s.results / "bench"
-    plan.add("bench", "bench-draft-kernel",
-             [py, "-m", "scripts.bench_draft_kernel", *(["--quick", "--dtype", "float32"] if s.quick else []),
-              str(bench / "draft_kernel.csv")], checks=(Check("csv", bench / "draft_kernel.csv"),))
-    tiny = [m for m in s.models if is_tiny(m)]
-    if tiny:
+    def benchmarks(self) -> None:
+        """The draft kernel; on the tiny models the verification schedule, the prefetch ablation and the projection."""
+        s, py, plan = self.s, self.s.python, self.plan
+        bench = s.results / "bench"
+        plan.add("bench", "bench-draft-kernel",
+                 [py, "-m", "scripts.bench_draft_kernel", *(["--quick", "--dtype", "float32"] if s.quick else []),
+                  str(bench / "draft_kernel.csv")], checks=(Check("csv", bench / "draft_kernel.csv"),))
+        tiny = [m for m in s.models if is_tiny(m)]
+        if not tiny:
+            plan.notes.append("bench-verify, bench-prefetch: tiny models only (MODELS has none)")
+            return
         untrained = [] if s.trained else ["--untrained"]
-        tiny_needs = tuple(trained[m] for m in tiny if m in trained)
+        tiny_needs = tuple(self.trained[m] for m in tiny if m in self.trained)
         verify = ["--memory", "low", "--K", "4", "8", "16", "--reps", "3"] if s.quick else []
         plan.add("bench", "bench-verify",
                  [py, "-m", "scripts.bench_verify", "--models", *tiny, *verify, "--hardware", s.hardware, *untrained,
                   "--out", str(bench / "verify_schedule.csv")],
                  needs=tiny_needs, checks=(Check("csv", bench / "verify_schedule.csv"),), units=len(tiny))
-        pre = protocol("prefetch", s.quick, repo, s.sizes)
+        pre = protocol("prefetch", s.quick, self.repo, s.sizes)
         quick_pre = ["--memory", "low", "--num-prompts", str(pre.num_prompts), "--max-new-tokens",
                      str(pre.max_new_tokens)] if s.quick else []
         plan.add("bench", "bench-prefetch",
                  [py, "-m", "scripts.bench_methods", "--suite", "prefetch", "--models", *tiny, *quick_pre,
-                  "--datasets", ",".join(prefetch_sets) or "humaneval", "--hardware", s.hardware, *untrained,
+                  "--datasets", ",".join(self.prefetch_sets) or "humaneval", "--hardware", s.hardware, *untrained,
                   *(["--assets", s.assets] if s.assets else []), "--out", str(bench)],
-                 needs=(*data_needs, *tiny_needs), checks=(Check("csv", bench / "bench_methods.csv"),),
-                 records=len(tiny) * 5 * len(prefetch_sets) * pre.num_prompts * pre.repeats, units=len(tiny) * 5)
-    else:
-        plan.notes.append("bench-verify, bench-prefetch: tiny models only (MODELS has none)")
-    if tiny and s.hardware != "cuda":  # the projection runs the tiny proxies on a virtual clock (no device)
-        cells = s.results / "project"
-        plan.add("project", "project",  # with the batching (Table 3's models, high tier) and α-curve steps
-                 [py, "-m", "specter.experiments.projection_grid", "--results", str(s.results), "--batch", "--alpha"],
-                 needs=tiny_needs,
-                 checks=(*(Check("csv", cells / f"{r}-{t}-a100_40gb_pcie4" / "projection.csv")
-                           for r in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low")),
-                         *(Check("csv", cells / f"{r}-high-a100_40gb_pcie4" / "batch_projection.csv")
-                           for r in ("dsv2", "qwen15moe")),
-                         *(Check("csv", cells / f"{r}-high-a100_40gb_pcie4" / "alpha_curve.csv")
-                           for r in ("dsv2", "qwen15moe", "phi35moe"))),
-                 units=6)
-    plan.add("figures", "figures", [py, "make_figures.py", "--results", str(s.results), "--figures", str(s.figures)])
-    return plan
+                 needs=(*self.data_needs, *tiny_needs), checks=(Check("csv", bench / "bench_methods.csv"),),
+                 records=len(tiny) * 5 * len(self.prefetch_sets) * pre.num_prompts * pre.repeats, units=len(tiny) * 5)
+        if s.hardware != "cuda":  # the projection runs the tiny proxies on a virtual clock (no device)
+            _projection_step(plan, s, tiny_needs)
+
+
+def _projection_step(plan: Plan, s: Settings, needs: tuple[str, ...]) -> None:
+    cells = s.results / "project"
+    plan.add("project", "project",  # with the batching (Table 3's models, high tier) and α-curve steps
+             [s.python, "-m", "specter.experiments.projection_grid", "--results", str(s.results), "--batch", "--alpha"],
+             needs=needs,
+             checks=(*(Check("csv", cells / f"{r}-{t}-a100_40gb_pcie4" / "projection.csv")
+                       for r in ("dsv2", "qwen15moe", "phi35moe") for t in ("high", "low")),
+                     *(Check("csv", cells / f"{r}-high-a100_40gb_pcie4" / "batch_projection.csv")
+                       for r in ("dsv2", "qwen15moe")),
+                     *(Check("csv", cells / f"{r}-high-a100_40gb_pcie4" / "alpha_curve.csv")
+                       for r in ("dsv2", "qwen15moe", "phi35moe"))),
+             units=6)
 
 
 def _cell_step(plan: Plan, s: Settings, model: str, tier: str, inside: list[str], ds: list[str], assets: list[str],

@@ -8,14 +8,17 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from specter.serve.app import create_app, error_body
-from specter.serve.build import Served
 from specter.serve.loop import ServingLoop
 from specter.serve.metrics import ServeMetrics
+
+if TYPE_CHECKING:
+    from specter.api import Engine
 
 
 class JsonErrorProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type] - h11's or httptools' protocol
@@ -37,11 +40,13 @@ class ServerParts:
     server: uvicorn.Server
 
 
-def make_server(served: Served, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,
+def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,
                 drain_timeout_s: float = 600.0, log_level: str = "warning") -> ServerParts:
-    metrics = ServeMetrics(served.name, served.method.name)
-    loop = ServingLoop(served.method, served.max_batch, max_queue, metrics)
-    app = create_app(served, loop, metrics, drain_timeout_s)
+    """The server of `engine` (a `specter.api.Engine`, or the `specter.serve.build.Served` it wraps: the same
+    name, method, max_batch, tokenizer, cfg and context_length); closing the engine stays the caller's."""
+    metrics = ServeMetrics(engine.name, engine.method.name)
+    loop = ServingLoop(engine.method, engine.max_batch, max_queue, metrics)
+    app = create_app(engine, loop, metrics, drain_timeout_s)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=int(drain_timeout_s), http=JsonErrorProtocol)
     server = uvicorn.Server(config)
@@ -85,15 +90,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 class ThreadedServer:
-    """The server on a free loopback port, in a daemon thread: ``with ThreadedServer(served) as s: s.url``."""
+    """The server on a free loopback port, in a daemon thread: ``with ThreadedServer(engine) as s: s.url``."""
 
-    def __init__(self, served: Served, max_queue: int = 64, drain_timeout_s: float = 60.0):
+    def __init__(self, engine: Engine, max_queue: int = 64, drain_timeout_s: float = 60.0):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.parts = make_server(served, port=self.port, max_queue=max_queue, drain_timeout_s=drain_timeout_s)
+        self.parts = make_server(engine, port=self.port, max_queue=max_queue, drain_timeout_s=drain_timeout_s)
         self.thread = threading.Thread(target=self.parts.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="specter-http")
 
