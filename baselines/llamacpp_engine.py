@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
@@ -43,6 +43,9 @@ from specter.assembly.methods import Generation
 from specter.assembly.sizing import budget_bytes
 from specter.models.facts import read_config
 from specter.metrics import CommitClock
+
+if TYPE_CHECKING:
+    from specter.assembly.plan import MemoryPlan
 
 INSTALL = 'CMAKE_ARGS="-DLLAVA_BUILD=OFF" pip install -c constraints.txt -e ".[llamacpp]"'
 INSTALL_CUDA = ('CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF" pip install -c constraints.txt --no-binary '
@@ -128,6 +131,16 @@ class LlamaCpp(ExternalEngine):
     """llama.cpp decoding of the GGUF export, N layers on the GPU and the rest on the CPU."""
 
     name = "llamacpp"
+
+    @classmethod
+    def plan_rows(cls, p: MemoryPlan, name: str) -> None:
+        """The memory plan's row: the last layers (and their KV for the run's context) that the budget holds."""
+        f = p.f
+        kv_layer = kv_bytes_per_token_layer(p.config.to_dict(), torch.finfo(p.dtype).bits // 8) * p.context()
+        n_gpu = gpu_layers_for_budget(list(f.layer_bytes), f.head_bytes, kv_layer, p.budget)
+        kept = list(f.layer_bytes)[len(f.layer_bytes) - min(n_gpu, len(f.layer_bytes)):]
+        dev = sum(kept) + kv_layer * len(kept) + (f.head_bytes if n_gpu > len(f.layer_bytes) else 0)
+        p.add_engine(name, dev, kv_layer * len(kept), f"n_gpu_layers={n_gpu} of {len(f.layer_bytes)} (+1 = output layer)")
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         super().__init__(cfg, checkpoint)

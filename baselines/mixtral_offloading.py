@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,10 +31,13 @@ from specter.assembly.config import ConfigError, effective_K
 from specter.assembly.methods import OffloadAR
 from specter.assembly.runtime import final_runtime, scratch_bytes, staging_for
 from specter.models.facts import matching_preset, read_facts
-from specter.offload.budget import Footprint, staging_buffers
+from specter.offload.budget import STAGING_PER_LAYER, Footprint, staging_buffers
 from specter.offload.runtime import Runtime
 from specter.quant.draft import build_draft
 from specter.spec import MethodSpec, extend_spec
+
+if TYPE_CHECKING:
+    from specter.assembly.plan import MemoryPlan
 
 
 class MixtralOffloading(OffloadAR):
@@ -56,6 +59,34 @@ class MixtralOffloadingSM(MixtralOffloading):
     """MO-SM: as many slots as Specter's device bytes at this tier pay for (or the artifact's preset)."""
 
     name = "mo_sm"
+
+    @classmethod
+    def plan_rows(cls, p: MemoryPlan, name: str) -> None:
+        """The memory plan's rows (experiment=plan, a real model's slots): Specter's bytes at B=1 as extra
+        slots, or the artifact's preset; Specter's staging count. The derivation goes into the plan's facts."""
+        from specter.assembly.plan import method_defaults
+        from specter.models.facts import facts_from_config
+
+        f, L, eb, kv_tok = p.f, p.f.moe_layers, p.f.expert_bytes, p.f.kv_bytes_per_token
+        sm = method_defaults(name, p.cfg)
+        derivation = same_memory_slots(
+            non_expert=f.non_expert_bytes, L=L, E=f.num_experts, expert_bytes=eb, kv_token=kv_tok, seq1=p.seq(0),
+            K=p.K, specter_resident=p.M, int4_draft=p.draft, scratch_K=p.scratch(p.K, 1), scratch_0=p.scratch(0, 1),
+            budget=p.budget, staging=None if sm.get("staging_buffers") is None else int(sm.staging_buffers),
+            staging_per_layer=float(sm.get("staging_per_layer", STAGING_PER_LAYER)))
+        found = matching_preset(sm.get("presets"), facts_from_config(p.config))  # presets bind to checkpoint facts
+        preset = (found[1].get("slots") or {}).get(p.cfg.memory.name) if found else None
+        explicit = sm.get("residents")
+        M_sm = explicit if explicit is not None else preset if preset is not None else derivation["resident"]
+        source = "method.residents" if explicit is not None else "preset" if preset is not None else "derived"
+        st_sm = derivation["staging_buffers"]
+        if int(M_sm) != derivation["resident"]:  # a preset's slots: no more staging than the rule leaves beside them
+            st_sm = min(st_sm, p.staging(name, Footprint(f.non_expert_bytes, int(M_sm) * L * eb, 0, kv_tok * p.seq(0),
+                                                         p.scratch(0, 1)), 1))
+        for B in p.sizes:
+            p.add(name, B, int(M_sm), st_sm, 0, B * kv_tok * p.seq(0), p.scratch(0, B),
+                  note=f"{source}; derived M'={derivation['resident']}")
+        p.facts["mo_sm_derivation"] = derivation
 
     def make_spec(self, cfg: DictConfig) -> SameMemorySpec:
         base = super().make_spec(cfg)

@@ -29,7 +29,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -39,7 +39,7 @@ from specter.assembly.config import ConfigError, profiled_k_of
 from specter.assembly.methods import Specter
 from specter.assembly.runtime import final_runtime, staging_for
 from specter.models.loading import non_expert_bytes
-from specter.offload.budget import MB, BudgetError
+from specter.offload.budget import MB, BudgetError, Footprint
 from specter.moe import DraftExecutor, MoERuntime, SpecterExperts
 from specter.offload.instruments import Instruments
 from specter.offload.runtime import Runtime
@@ -47,6 +47,9 @@ from specter.predict.planner import PlannerConfig, PrefetchPlanner
 from specter.quant.draft import draft_forward
 from specter.spec import MethodSpec, extend_spec
 from specter.speculative.drafter import SeparateDrafter
+
+if TYPE_CHECKING:
+    from specter.assembly.plan import MemoryPlan
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,30 @@ class SpecMoEOff(Specter):
     """SpecMoEOff as designed: separate draft and KV, route-frequency prefetch, residents = what fits, profiled K."""
 
     name = "specmoeoff"
+
+    @classmethod
+    def plan_rows(cls, p: MemoryPlan, name: str) -> None:
+        """The memory plan's rows: a separate draft (its own non-expert copy, INT4 experts, KV, scratch) beside
+        the target, K= else method.K (profiles are not read by the plan), and `planned_residents` slots."""
+        from specter.assembly.plan import method_defaults
+
+        f, cfg, E, L, eb = p.f, p.cfg, p.f.num_experts, p.f.moe_layers, p.f.expert_bytes
+        so = method_defaults(name, cfg)
+        K_so = int(cfg.K) if cfg.get("K") is not None else int(so.K)
+        kv1, scr1 = f.kv_bytes_per_token * p.seq(K_so), p.scratch(K_so, 1)
+        fixed = f.non_expert_bytes + kv1 + scr1 + p.draft + f.non_expert_bytes + kv1 + scr1
+        fit = min(E, (p.budget - fixed) // (L * eb))
+        M_so, how = cls.planned_residents(so, cfg, E, fit)
+        st_so = p.staging(name, Footprint(f.non_expert_bytes, M_so * L * eb, p.draft, 2 * kv1, 2 * scr1,
+                                          draft_non_expert=f.non_expert_bytes), 1)
+        for B in p.sizes:
+            p.add(name, B, M_so, st_so, p.draft, 2 * B * kv1, 2 * B * scr1, draft_non_expert=f.non_expert_bytes,
+                  note=f"K={K_so}; {how}, budget fits {fit}")
+
+    @classmethod
+    def planned_residents(cls, method: DictConfig, cfg: DictConfig, E: int, fit: int) -> tuple[int, str]:
+        """Resident slots per layer in the plan, and how they were chosen: as designed, every slot that fits."""
+        return max(1, fit), "every slot that fits"
     microbatches = 2  # the Specter paper's SpecMoEOff decodes a batch as two microbatches sharing one cache
 
     def residency(self) -> str:
@@ -249,6 +276,12 @@ class SpecMoEOffArtifact(SpecMoEOff):
     """The Specter paper artifact's SpecMoEOff preset: K = 3, 12/2 residents (scaled), capped by what fits."""
 
     name = "specmoeoff_artifact"
+
+    @classmethod
+    def planned_residents(cls, method: DictConfig, cfg: DictConfig, E: int, fit: int) -> tuple[int, str]:
+        """The artifact's preset count, scaled to the model's experts and capped by what fits."""
+        preset = max(1, min(E, round(int(method.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
+        return int(min(preset, max(1, fit))), f"preset {preset}"
 
     def draft_length(self, cfg: DictConfig) -> tuple[int, str]:
         """K=, else the preset's method.K; a K profile is not read (the preset fixes K)."""

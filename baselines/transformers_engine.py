@@ -15,7 +15,7 @@ tokens equal `method=target_only`'s. Sampling uses transformers' own sampler, se
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
@@ -32,6 +32,9 @@ from baselines.common import (
 from specter.assembly.methods import Generation
 from specter.assembly.sizing import budget_bytes
 from specter.metrics import CommitClock
+
+if TYPE_CHECKING:
+    from specter.assembly.plan import MemoryPlan
 
 
 class CommitStreamer:
@@ -59,6 +62,13 @@ class TransformersEngine(ExternalEngine):
     """The checkpoint through transformers' `generate`, offloaded by accelerate on CUDA."""
 
     name = "transformers"
+
+    @classmethod
+    def plan_rows(cls, p: MemoryPlan, name: str) -> None:
+        """The memory plan's row: accelerate's device_map=auto keeps what the tier's budget holds on the device."""
+        on_dev = min(p.f.full_bytes, p.budget)
+        p.add_engine(name, on_dev, 0, f"device_map=auto, max_memory={p.budget / 1e9:.2f} GB; "
+                                      f"{(p.f.full_bytes - on_dev) / 1e9:.2f} GB on the host")
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         super().__init__(cfg, checkpoint)

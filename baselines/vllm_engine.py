@@ -26,7 +26,7 @@ import select
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -44,6 +44,9 @@ from specter.assembly.methods import Generation
 from specter.assembly.sizing import budget_bytes
 from specter.metrics import CommitClock
 from specter.paths import safe_name, specter_home
+
+if TYPE_CHECKING:
+    from specter.assembly.plan import MemoryPlan
 
 SETUP = "bash scripts/setup_vllm.sh"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -150,6 +153,13 @@ class Vllm(ExternalEngine):
     """vLLM's engine in a worker process; per-token stamps come back over the pipe."""
 
     name = "vllm"
+
+    @classmethod
+    def plan_rows(cls, p: MemoryPlan, name: str) -> None:
+        """The memory plan's row: the weights past the budget offloaded (`cpu_offload_gb`); KV is vLLM's own."""
+        on_dev = min(p.f.full_bytes, p.budget)
+        p.add_engine(name, on_dev, 0, f"cpu_offload_gb={cpu_offload_gib(p.f.full_bytes, p.budget):.2f} GiB; "
+                                      "KV from gpu_memory_utilization")
 
     def __init__(self, cfg: DictConfig, checkpoint: Path):
         super().__init__(cfg, checkpoint)

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specter.assembly.config import ConfigError, effective_K, resident_experts, validate
-from specter.assembly.runners import method_facts, method_names
+from specter.assembly.runners import method_names, runner_class
 from specter.offload.budget import Footprint
 
 GB = 1e9
@@ -126,20 +126,21 @@ def plan_rows(cfg: DictConfig, config=None) -> tuple[list[PlanRow], dict[str, An
     kernel = hw.get("draft_kernel") or "auto"
     draft = L * draft_layer_nbytes(E, f.hidden, f.expert_inter, device_type, dtype,
                                    kernel="torch" if kernel in ("auto", "marlin") else kernel)
-    plan = _Plan(cfg, config, f, dtype, sizes, budget, gpu, M, effective_K(cfg), draft)
+    plan = MemoryPlan(cfg, config, f, dtype, sizes, budget, gpu, M, effective_K(cfg), draft)
     _target_only(plan)
     _tier_slot_methods(plan)
-    derivation = _mo_sm(plan)
-    _separate_draft_methods(plan)
-    _self_placing_engines(plan)
+    # a method sized by a rule of its own design says how, on its class (`plan_rows`), in the printed order
+    for rule in ("same_memory", "fit", "preset", "own"):
+        for name in method_names(slots_rule=rule):
+            runner_class(name).plan_rows(plan, name)
     facts = {**asdict(f), "dtype": str(dtype).removeprefix("torch."), "layer_bytes": list(f.layer_bytes),
              "full_bytes": f.full_bytes, "budget_bytes": budget, "gpu_bytes": gpu, "resident": M, "K": plan.K,
-             "device": device_type, "draft_bytes": draft, "mo_sm_derivation": derivation}
+             "device": device_type, "draft_bytes": draft, **plan.facts}
     return plan.rows, facts
 
 
 @dataclass
-class _Plan:
+class MemoryPlan:
     """What every method's rows are computed from (the model's facts at the run's dtype, the tier's budget,
     the protocol's lengths) and the rows so far, in the order they are printed."""
 
@@ -154,6 +155,16 @@ class _Plan:
     K: int
     draft: int  # INT4 draft experts, all MoE layers
     rows: list[PlanRow] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)  # what a method's sizing adds to the plan's facts
+
+    def context(self) -> int:
+        """Positions an engine that places its own weights holds: prefix, the longer of output and warm-up, one."""
+        return int(self.cfg.prefix_tokens) + max(int(self.cfg.max_new_tokens), int(self.cfg.warmup_tokens)) + 1
+
+    def add_engine(self, method: str, on_device: int, kv: int, note: str) -> None:
+        """The row of an engine that places its weights itself (B=1 only: its batching is its own)."""
+        self.rows.append(PlanRow(method, 1, None, 0, on_device - kv, 0, 0, kv, 0, on_device, self.budget, self.gpu,
+                                 note))
 
     def seq(self, K: int) -> int:
         """Positions a request's KV cache holds: prefix, output and a K+1 verification window."""
@@ -185,14 +196,14 @@ class _Plan:
                                self.f.expert_bytes, self.f.moe_layers, float(m.get("staging_per_layer", STAGING_PER_LAYER)))
 
 
-def _target_only(p: _Plan) -> None:
+def _target_only(p: MemoryPlan) -> None:
     """Every weight on the device (the reference and speed ceiling; not bound by the tier)."""
     for B in p.sizes:
         p.add("target_only", B, p.f.num_experts, 0, 0, B * p.f.kv_bytes_per_token * p.seq(0), p.scratch(0, B),
               bound=False, note="every expert on the device; not bound by the tier")
 
 
-def _tier_slot_methods(p: _Plan) -> None:
+def _tier_slot_methods(p: MemoryPlan) -> None:
     """The tier's M slots, staging by the rule: autoregressive (offload_ar, mo_sc), then with the shared-instance
     INT4 draft and a K+1 window (specter, moe_spec)."""
     f, M, slots = p.f, p.M, p.M * p.f.moe_layers * p.f.expert_bytes
@@ -204,80 +215,3 @@ def _tier_slot_methods(p: _Plan) -> None:
         for B in p.sizes:
             base = Footprint(f.non_expert_bytes, slots, p.draft, B * f.kv_bytes_per_token * p.seq(p.K), p.scratch(p.K, B))
             p.add(name, B, M, p.staging(name, base, B), p.draft, base.kv_cache, base.scratch, note=f"K={p.K}")
-
-
-def _mo_sm(p: _Plan) -> dict[str, Any]:
-    """MO-SM: Specter's bytes (B=1) as extra slots, or the artifact's preset; Specter's staging count.
-    Returns same_memory_slots' derivation (the plan's facts quote it)."""
-    from baselines.mixtral_offloading import same_memory_slots
-    from specter.models.facts import facts_from_config, matching_preset
-    from specter.offload.budget import STAGING_PER_LAYER
-
-    f, L, eb, kv_tok = p.f, p.f.moe_layers, p.f.expert_bytes, p.f.kv_bytes_per_token
-    sm = method_defaults("mo_sm", p.cfg)
-    derivation = same_memory_slots(
-        non_expert=f.non_expert_bytes, L=L, E=f.num_experts, expert_bytes=eb, kv_token=kv_tok, seq1=p.seq(0), K=p.K,
-        specter_resident=p.M, int4_draft=p.draft, scratch_K=p.scratch(p.K, 1), scratch_0=p.scratch(0, 1),
-        budget=p.budget, staging=None if sm.get("staging_buffers") is None else int(sm.staging_buffers),
-        staging_per_layer=float(sm.get("staging_per_layer", STAGING_PER_LAYER)))
-    found = matching_preset(sm.get("presets"), facts_from_config(p.config))  # presets bind to checkpoint facts
-    preset = (found[1].get("slots") or {}).get(p.cfg.memory.name) if found else None
-    M_sm = sm.get("residents") if sm.get("residents") is not None else preset if preset is not None else derivation["resident"]
-    source = "method.residents" if sm.get("residents") is not None else "preset" if preset is not None else "derived"
-    st_sm = derivation["staging_buffers"]
-    if int(M_sm) != derivation["resident"]:  # a preset's slots: no more staging than the rule leaves beside them
-        st_sm = min(st_sm, p.staging("mo_sm", Footprint(f.non_expert_bytes, int(M_sm) * L * eb, 0, kv_tok * p.seq(0),
-                                                        p.scratch(0, 1)), 1))
-    for B in p.sizes:
-        p.add("mo_sm", B, int(M_sm), st_sm, 0, B * kv_tok * p.seq(0), p.scratch(0, B),
-              note=f"{source}; derived M'={derivation['resident']}")
-    return derivation
-
-
-def _separate_draft_methods(p: _Plan) -> None:
-    """specmoeoff (as designed: every slot that fits) and specmoeoff_artifact (the 12/2 preset, capped by the
-    fit): a separate draft (own non-expert copy, INT4 experts, KV, scratch), K= else method.K (profiles unread)."""
-    from baselines.specmoeoff import real_expert_count
-
-    f, cfg, E, L, eb = p.f, p.cfg, p.f.num_experts, p.f.moe_layers, p.f.expert_bytes
-    for name in method_names(slots_rule="fit") + method_names(slots_rule="preset"):
-        so = method_defaults(name, cfg)
-        K_so = int(cfg.K) if cfg.get("K") is not None else int(so.K)
-        kv1, scr1 = f.kv_bytes_per_token * p.seq(K_so), p.scratch(K_so, 1)
-        fixed = f.non_expert_bytes + kv1 + scr1 + p.draft + f.non_expert_bytes + kv1 + scr1
-        fit = min(E, (p.budget - fixed) // (L * eb))
-        if method_facts(name).slots_rule == "fit":
-            M_so, how = max(1, fit), "every slot that fits"
-        else:
-            preset_so = max(1, min(E, round(int(so.residents[cfg.memory.name]) * E / real_expert_count(cfg))))
-            M_so, how = int(min(preset_so, max(1, fit))), f"preset {preset_so}"
-        st_so = p.staging(name, Footprint(f.non_expert_bytes, M_so * L * eb, p.draft, 2 * kv1, 2 * scr1,
-                                          draft_non_expert=f.non_expert_bytes), 1)
-        for B in p.sizes:
-            p.add(name, B, M_so, st_so, p.draft, 2 * B * kv1, 2 * B * scr1, draft_non_expert=f.non_expert_bytes,
-                  note=f"K={K_so}; {how}, budget fits {fit}")
-
-
-def _self_placing_engines(p: _Plan) -> None:
-    """Engines that place weights themselves, given the tier's budget (B=1 only: their batching is theirs)."""
-    import torch
-
-    from baselines.llamacpp_engine import gpu_layers_for_budget, kv_bytes_per_token_layer
-    from baselines.vllm_engine import cpu_offload_gib
-
-    f, budget, gpu = p.f, p.budget, p.gpu
-    n_ctx = int(p.cfg.prefix_tokens) + max(int(p.cfg.max_new_tokens), int(p.cfg.warmup_tokens)) + 1
-    itemsize = torch.finfo(p.dtype).bits // 8
-    full = f.full_bytes
-    on_dev = min(full, budget)
-    p.rows.append(PlanRow("transformers", 1, None, 0, on_dev, 0, 0, 0, 0, on_dev, budget, gpu,
-                          f"device_map=auto, max_memory={budget / GB:.2f} GB; {(full - on_dev) / GB:.2f} GB on the host"))
-    kv_layer = kv_bytes_per_token_layer(p.config.to_dict(), itemsize) * n_ctx
-    n_gpu = gpu_layers_for_budget(list(f.layer_bytes), f.head_bytes, kv_layer, budget)
-    kept = list(f.layer_bytes)[len(f.layer_bytes) - min(n_gpu, len(f.layer_bytes)):]
-    dev = sum(kept) + kv_layer * len(kept) + (f.head_bytes if n_gpu > len(f.layer_bytes) else 0)
-    p.rows.append(PlanRow("llamacpp", 1, None, 0, dev - kv_layer * len(kept), 0, 0, kv_layer * len(kept), 0, dev,
-                          budget, gpu, f"n_gpu_layers={n_gpu} of {len(f.layer_bytes)} (+1 = output layer)"))
-    off = cpu_offload_gib(full, budget)
-    p.rows.append(PlanRow("vllm", 1, None, 0, on_dev, 0, 0, 0, 0, on_dev, budget, gpu,
-                          f"cpu_offload_gb={off:.2f} GiB; KV from gpu_memory_utilization"))

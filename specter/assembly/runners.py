@@ -131,6 +131,18 @@ def known_runners() -> frozenset[str]:
     return frozenset(f.runner for f in _METHODS.values())
 
 
+def runner_class(name: str) -> type:
+    """The class registered for method `name` (imported on first use: a baseline's module is named by its
+    registry line, never imported by the assembly room)."""
+    import importlib
+
+    facts = method_facts(name)
+    if facts is None:
+        raise KeyError(f"unknown method {name!r}; known: {method_names()}")
+    module, _, cls = facts.runner.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def runner_problem(name: str, runner: object) -> str | None:
     """Why method `name`'s runner cannot be used, or None."""
     if str(runner) in known_runners():
