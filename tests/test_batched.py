@@ -12,7 +12,7 @@ import torch
 from conftest import FIXTURES, TINY_MODELS, compose
 from transformers import DynamicCache
 
-from specter.experiments.batch import footprint_at
+from specter.assembly.sizing import footprint_at
 from specter.assembly.methods import build_method
 from specter.models.loading import load_full_model
 from specter.speculative.autoregressive import generate_autoregressive
@@ -309,12 +309,8 @@ def test_padding_filter_sends_padded_tokens_to_no_expert():
 
 # ---------------------------------------------------------------------------------- experiment=batch
 def test_batch_experiment_writes_records_and_refuses_what_does_not_fit(tmp_path, tiny_checkpoint):
-    from specter.experiments.batch import (
-        BATCH_COLUMNS,
-        footprint_at,
-        largest_batch,
-        run_batch,
-    )
+    from specter.assembly.sizing import footprint_at, largest_batch
+    from specter.experiments.batch import BATCH_COLUMNS, run_batch
 
     tiny_checkpoint("tiny_dsv2")
     out = tmp_path / "batch"
@@ -422,7 +418,7 @@ def test_batched_draft_step_kernel_matches_reference(dtype):
 def test_staging_buffers_leave_room_for_the_largest_batch(tiny_checkpoint):
     """Specter fills the tier's headroom with staging buffers; under experiment=batch it leaves the KV
     cache and scratch of the largest batch size that fits, so every size runs on one device layout."""
-    from specter.experiments.batch import footprint_at
+    from specter.assembly.sizing import footprint_at
 
     tiny_checkpoint("tiny_dsv2")
     base = ["model=tiny_dsv2", "memory=high", "method=specter", "method.quant=rtn", "hardware=emulated",

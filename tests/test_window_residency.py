@@ -68,6 +68,25 @@ def test_prefetch_is_skipped_when_every_unprotected_resident_is_predicted():
     assert cache.prefetch(ExpertUID(LAYER, 6)) is not None  # outside a window's evidence: LRU again
 
 
+def test_a_draft_prefetch_spares_what_the_last_pass_used():
+    # Window 1 verifies tokens routed to 0 and 1 (residents 0..3; LRU order after it: 2, 3, 0, 1). Window 2's
+    # draft routes to 5, 6 and 7 at its first boundary, and its verification routes to 0 and 1 again.
+    # LRU makes room for the third prefetch by evicting 0, which verification then loads again. The window
+    # policy replaces only the cold residents 2 and 3 (neither routed nor used by the last pass), refuses
+    # the third prefetch, and loads 7 on demand instead: one load fewer.
+    def run(residency: str) -> ExpertCache:
+        cache = _cache(residency)
+        _window(cache, [0, 1], [], [[0, 1], [1, 0]])
+        cache.reset_counters()
+        out = _window(cache, [5, 6, 7], [5, 6, 7], [[0, 5], [1, 6], [7, 0]])
+        return cache, out
+
+    (lru, out_lru), (win, out_win) = run("lru"), run("window")
+    assert lru.counters.loads == 4 and win.counters.loads == 3
+    assert win.counters.refused_by_policy == 1 and win.counters.prefetch_loads == 2
+    assert torch.equal(out_lru, out_win)  # residency never changes the result
+
+
 def test_verification_miss_evicts_only_experts_the_pass_no_longer_needs():
     # Policy level, residents unprotected (a caller that does not pin its hits up front): the pass computes
     # 1, then 3 (a miss), then 0. LRU would replace 0 (least recently used) although the pass still needs it.
@@ -112,6 +131,7 @@ class ReferencePolicy:
         self.predicted: dict[int, int] = {}
         self.remaining: list[int] | None = None  # the pass's not-yet-computed groups, in order
         self.tokens: dict[int, int] = {}
+        self.recent: dict[int, int] = {}  # the last finished pass's tokens per expert
 
     def _tick(self, e):
         self.clock += 1
@@ -133,6 +153,7 @@ class ReferencePolicy:
 
     def end_pass(self):
         self.remaining = None
+        self.recent = dict(self.tokens)
         for e in sorted(self.slot, key=lambda e: (self.tokens.get(e, 0), self.predicted.get(e, 0), self.stamp[e])):
             self._tick(e)
         self.tokens = {}
@@ -159,7 +180,7 @@ class ReferencePolicy:
             return min((e for e in cands if dist[e] == far),
                        key=lambda e: (self.tokens.get(e, 0), self.predicted.get(e, 0), self.stamp[e]))
         if self.predicted:
-            free = [e for e in cands if e not in self.predicted]
+            free = [e for e in cands if e not in self.predicted and e not in self.recent]
             return min(free, key=lambda e: self.stamp[e]) if free else None
         return min(cands, key=lambda e: self.stamp[e])
 

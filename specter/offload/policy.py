@@ -15,8 +15,12 @@ through *hints*; `LRUPolicy` ignores them, `WindowPolicy` decides by them:
 Residencies (`method.residency`): ``lru`` (the least recently used unprotected expert is replaced,
 every phase alike) and ``window``:
 
-- drafting: a load (a prefetch) replaces only a resident with no predicted use (the least recently
-  used of those); when every unprotected resident is predicted, the load is refused (skipped);
+- drafting: a load (a prefetch) replaces only a *cold* resident: one the draft has not routed to in
+  this window and the layer's last verification pass did not use (the least recently used of those).
+  Windows overlap heavily (consecutive tokens route alike), so a resident the last pass used is
+  likely needed by this one, and an early boundary has seen only a few draft tokens; replacing it
+  costs a second load of it in verification. When no resident is cold, the load is refused
+  (skipped): the expert is loaded on demand instead, one load either way;
 - verifying: a miss replaces a resident with no use left in this pass (Belady over the pass's known
   routes: an expert with none is the furthest), never one a not-yet-computed group still needs;
   among those, the one least worth keeping for the next window;
@@ -187,6 +191,7 @@ class WindowPolicy(LRUPolicy):
         self._predicted: dict[int, int] = {}  # expert -> draft routes this window
         self._pass: dict[int, int] | None = None  # verifying: expert -> position of its not-yet-computed group
         self._tokens: dict[int, int] = {}  # verifying: expert -> tokens this pass routes to it
+        self._recent: dict[int, int] = {}  # expert -> tokens the layer's last finished pass routed to it
 
     # -- hints ---------------------------------------------------------------------------
     def predict(self, experts: Iterable[int], counts: Mapping[int, int] | None = None) -> None:
@@ -204,6 +209,7 @@ class WindowPolicy(LRUPolicy):
     def end_pass(self) -> None:
         """Re-rank the recency order for the next window: least worth keeping first (no data moves)."""
         self._pass = None
+        self._recent = dict(self._tokens)
         rank = {e: i for i, e in enumerate(self._order)}
         for e in sorted(self._order, key=lambda e: (self._keep(e), rank[e])):
             self._order.move_to_end(e)
@@ -233,8 +239,8 @@ class WindowPolicy(LRUPolicy):
                 return None  # every candidate is still needed by a group of this pass: refuse
             rank = {e: i for i, e in enumerate(candidates)}
             return min(done, key=lambda e: (self._keep(e), rank[e]))
-        if self._predicted:  # drafting: never a resident the draft has routed to
-            return next((e for e in candidates if e not in self._predicted), None)
+        if self._predicted:  # drafting: never a resident the draft has routed to, nor one the last pass used
+            return next((e for e in candidates if e not in self._predicted and e not in self._recent), None)
         return candidates[0]
 
     def refuses(self) -> bool:
