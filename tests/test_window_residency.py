@@ -59,13 +59,17 @@ def test_prefetch_keeps_a_resident_the_window_needs():
     assert torch.equal(out_lru, out_win)  # residency never changes the result
 
 
-def test_prefetch_is_skipped_when_every_unprotected_resident_is_predicted():
-    cache = _cache("window", staging=2)
+def test_prefetch_is_staged_or_skipped_when_every_unprotected_resident_is_predicted():
+    cache = _cache("window", staging=1)
     cache.predict(LAYER, [0, 1, 2, 3])
-    assert cache.prefetch(ExpertUID(LAYER, 6)) is None  # nothing may be replaced: skipped, no staging borrowed
-    assert cache.counters.loads == 0 and cache.counters.refused_by_policy == 1 and cache.free_staging() == 2
+    assert cache.prefetch(ExpertUID(LAYER, 6)) is not None  # nothing may be replaced: a staging buffer takes it
+    assert cache.counters.staged_loads == 1 and cache.free_staging() == 0 and cache.resident(LAYER) == {0, 1, 2, 3, 6}
+    assert cache.prefetch(ExpertUID(LAYER, 7)) is None  # and with no buffer left, the prefetch is skipped
+    assert cache.counters.loads == 1 and cache.counters.refused_by_policy == 1
+    cache.release_prefetches()
     cache.end_window()
-    assert cache.prefetch(ExpertUID(LAYER, 6)) is not None  # outside a window's evidence: LRU again
+    assert cache.free_staging() == 1 and len(cache.resident(LAYER)) == 4  # the buffer is back before the next window
+    assert cache.prefetch(ExpertUID(LAYER, 7)) is not None  # outside a window's evidence: LRU again
 
 
 def test_a_draft_prefetch_spares_what_the_last_pass_used():

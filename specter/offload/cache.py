@@ -269,10 +269,8 @@ class ExpertCache:
             st.policy.touch(uid.expert)
             return uid, st, slot, st.ready[slot], True
         got = st.policy.admit(uid.expert)
-        if got is None and st.policy.refuses():  # the policy keeps every unprotected resident: skip, borrow nothing
-            self.counters.refused_by_policy += 1
-            return None
-        if got is None and self._pool:  # every own slot protected: borrow a staging buffer
+        if got is None and self._pool:  # no own slot may be replaced (protected, or kept by the policy): borrow
+            # a staging buffer; it goes back before the next window, so no resident is lost for the load
             buf, last_use = self._pool.pop()
             st.policy.grow()
             st.rows.append(buf)
@@ -281,6 +279,8 @@ class ExpertCache:
             got = st.policy.admit(uid.expert)
             self.counters.staged_loads += 1
         if got is None:
+            if st.policy.refuses():  # the policy keeps every unprotected resident and no buffer is free: skip
+                self.counters.refused_by_policy += 1
             return None
         slot, _evicted = got
         ticket = self.link.submit(self.store.buffer(uid), st.rows[slot], after=st.last_use[slot], tag=uid)

@@ -19,8 +19,9 @@ every phase alike) and ``window``:
   this window and the layer's last verification pass did not use (the least recently used of those).
   Windows overlap heavily (consecutive tokens route alike), so a resident the last pass used is
   likely needed by this one, and an early boundary has seen only a few draft tokens; replacing it
-  costs a second load of it in verification. When no resident is cold, the load is refused
-  (skipped): the expert is loaded on demand instead, one load either way;
+  costs a second load of it in verification. When no resident is cold, the load goes to a free
+  staging buffer (the cache's, given back before the next window), else it is refused (skipped)
+  and the expert loads on demand: one load either way;
 - verifying: a miss replaces a resident with no use left in this pass (Belady over the pass's known
   routes: an expert with none is the furthest), never one a not-yet-computed group still needs;
   among those, the one least worth keeping for the next window;
