@@ -15,6 +15,8 @@ once per `method.residency`, which a plain cell cannot list). Then it prints and
     tpot_ms                  median TPOT; speedup_vs_lru: median paired TPOT ratio specter[lru] / variant
                              by prompt (each prompt's median over its repeats) with its bootstrap 95% CI
                              over prompts (>1: the variant is faster; speedup_ci_straddles_1 where it holds 1)
+    specter_speedup          TPOT(variant) / TPOT(specter[window]) paired the same way, with specter_low/_high
+                             (>1: Specter as it ships is faster than the variant)
 
     python scripts/bench_load_efficiency.py --models tiny_dsv2 tiny_qwen --memory high \\
         --num-prompts 2 --max-new-tokens 48 --quant rtn
@@ -33,9 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 VARIANTS = (  # (name, method, method overrides)
     ("specter[lru]", "specter", {"residency": "lru"}),
     ("specter[window]", "specter", {"residency": "window"}),
+    ("offload_ar", "offload_ar", {}),
     ("mo_sm", "mo_sm", {}),
     ("specmoeoff", "specmoeoff", {}),
 )
+SPECTER = "specter[window]"  # Specter as it ships: its speedup over every other variant is reported too
 
 
 def variant_configs(cfg, variants, out: Path, quant: str | None):
@@ -70,8 +74,15 @@ def table(model: str, tier: str, folders: list[tuple[str, Path]], expert_bytes: 
     from specter.records.records import read_records
 
     recs = {name: read_records(f / "records.csv").sort_values(["dataset", "prompt_index", "repeat"]) for name, f in folders}
-    base = recs.get("specter[lru]")
+    base, specter = recs.get("specter[lru]"), recs.get(SPECTER)
     rows = []
+
+    def paired(a: pd.DataFrame | None, b: pd.DataFrame):  # TPOT(a) / TPOT(b) by prompt: repeats time one prompt
+        if a is None:
+            return None
+        return paired_by_prompt(pd.concat([a.assign(variant="a"), b.assign(variant="b")], ignore_index=True),
+                                "variant", "a", "b")
+
     for name, df in recs.items():
         tokens = df.new_tokens.sum()
         oracle = df.oracle_h2d_bytes.sum(min_count=1)
@@ -87,12 +98,14 @@ def table(model: str, tier: str, folders: list[tuple[str, Path]], expert_bytes: 
             "retention_hits": df.retention_hits.mean(), "retention_reloads": df.retention_reloads.mean(),
             "hit_rate": df.hit_rate.mean(), "tpot_ms": df.tpot_ms.median(),
         }
-        pr = None if base is None else paired_by_prompt(
-            pd.concat([base.assign(variant="base"), df.assign(variant="this")], ignore_index=True),
-            "variant", "base", "this")  # by prompt: repeats are timing repeats of one prompt
+        pr = paired(base, df)
         if pr is not None:
             row.update(speedup_vs_lru=pr.median, speedup_low=pr.low, speedup_high=pr.high, speedup_prompts=pr.prompts,
                        speedup_ci_straddles_1=pr.straddles_1)
+        sp = paired(df, specter) if specter is not None and name != SPECTER else None
+        if sp is not None:  # > 1: Specter is faster than this variant
+            row.update(specter_speedup=sp.median, specter_low=sp.low, specter_high=sp.high,
+                       specter_ci_straddles_1=sp.straddles_1)
         rows.append(row)
     return pd.DataFrame(rows)
 
