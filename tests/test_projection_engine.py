@@ -206,3 +206,19 @@ def test_copy_bound_check_prints_specters_floor_beside_each_rival(dsv2_high):
     for name in ("offload_ar", "mo_sm", "specmoeoff", "moe_spec"):
         assert any(line.strip().startswith(name) and ("Specter" in line or "won" in line)
                    for line in text.splitlines()), name
+
+
+def test_the_proxy_holds_the_real_plans_staging_per_layer():
+    """A proxy layer stands for a block of real layers and its loads count once per real layer, so one proxy
+    staging buffer holds a block's worth of experts: the proxy gets the plan's buffers per real MoE layer times
+    its own MoE layers, as a CPU run sized by the same plan does (assembly.real_plan.PlannedSlots)."""
+    from specter.assembly.real_plan import PlannedSlots
+    from specter.projection.cost_model import real_shape
+    from specter.projection.steps import Proxy
+
+    px = Proxy.__new__(Proxy)  # the slots arithmetic only: no config, no checkpoint
+    px.slots, px.real, px._proxy_layers = {"offload_ar": (16, 31), "target_only": (None, 0)}, "dsv2", 4
+    assert real_shape("dsv2").moe_layers == 26
+    assert px.proxy_slots("offload_ar") == (16, 5)  # 31 buffers over 26 real MoE layers -> 4 proxy layers
+    assert px.proxy_slots("offload_ar")[1] == PlannedSlots(16, 31 / 26, "plan").staging(4)
+    assert px.proxy_slots("target_only") == (None, 0)

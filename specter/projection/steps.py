@@ -73,6 +73,7 @@ class Proxy:
         self.trained = (tiny_dir(proxy, trained=True) / "config.json").is_file()
         self.name = tiny_dir(proxy, trained=self.trained).name
         self._checkpoint = None
+        self._proxy_layers: int | None = None
         self._prompts: dict[int, list] = {}
 
     def config(self, method: str, K: int | None = None, quant: str | None = None) -> DictConfig:
@@ -81,11 +82,37 @@ class Proxy:
         from specter.projection.engine_run import proxy_overrides
 
         p = self.cfg.project
-        over = proxy_overrides(self.proxy, self.trained, str(self.cfg.memory.name), method, self.slots[method],
+        over = proxy_overrides(self.proxy, self.trained, str(self.cfg.memory.name), method, self.proxy_slots(method),
                                self.K if K is None else K, str(quant or p.quant), int(self.cfg.seed))
         if K is not None and not any(o.startswith("K=") for o in over):
             over.append(f"K={K}")  # a method whose default K is its own (SpecMoEOff)
         return compose([*over, f"prefix_tokens={int(self.cfg.prefix_tokens)}"])
+
+    def proxy_slots(self, method: str) -> tuple[int | None, int]:
+        """`method`'s slots on the proxy: the real plan's M per layer, and its staging buffers scaled from the real
+        model's MoE layers to the proxy's (each proxy layer stands for a block of real layers, and its loads are
+        counted once per real layer: one proxy buffer holds a whole block's worth of experts). As a CPU run sizes
+        them from the same plan (`assembly.real_plan.PlannedSlots.staging`)."""
+        M, S = self.slots[method]
+        if not method_facts(method).owns_cache:  # every expert on the device: no slots to scale
+            return M, S
+        return M, int(round(S / self.real_moe_layers * self.proxy_moe_layers))
+
+    @property
+    def real_moe_layers(self) -> int:
+        from specter.projection.cost_model import real_shape
+
+        return real_shape(self.real).moe_layers
+
+    @property
+    def proxy_moe_layers(self) -> int:
+        import torch
+
+        from specter.models.footprint import load_config, model_facts
+
+        if self._proxy_layers is None:
+            self._proxy_layers = model_facts(load_config(self.checkpoint), torch.float32).moe_layers
+        return self._proxy_layers
 
     @property
     def draft_bits(self) -> int:
@@ -174,10 +201,10 @@ def engine_runs(px: Proxy, cm) -> tuple[list[tuple[str, str, object]], dict]:
             r = px.measure(cm, name, k)
             tpot = "-" if r.tpot is None else f"{r.tpot * 1e3:.2f}"
             print(f"  {name}{'' if r.K is None else f' (K={r.K}, {source})'}: {tpot} ms/token projected", flush=True)
-            M, S = px.slots[name]
+            M, S = px.proxy_slots(name)
             if method_facts(name).owns_cache and (r.resident, r.staging) != (M, S):
                 raise RuntimeError(f"{name}: the proxy ran with M={r.resident} + {r.staging} staging buffers, the "
-                                   f"real model's plan says M={M} + {S}")
+                                   f"real model's plan scaled to the proxy says M={M} + {S}")
             out.append((name, source if r.K is not None else "", r))
     return out, profiled
 
