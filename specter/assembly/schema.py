@@ -289,7 +289,7 @@ class SeparateDraftMethodConfig(OffloadMethodConfig):
 class SpecMoEOffMethodConfig(SeparateDraftMethodConfig):
     """SpecMoEOff as designed: residents = what fits the budget; K from its own profile (k_profile=)."""
 
-    k_range: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])  # what experiment=k_sweep sweeps
+    k_range: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32])  # what experiment=k_sweep sweeps
 
 
 @dataclass
