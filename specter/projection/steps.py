@@ -96,7 +96,9 @@ class Proxy:
         M, S = self.slots[method]
         if not method_facts(method).owns_cache:  # every expert on the device: no slots to scale
             return M, S
-        return M, int(round(S / self.real_moe_layers * self.proxy_moe_layers))
+        from specter.assembly.real_plan import PlannedSlots
+
+        return M, PlannedSlots(M, S / self.real_moe_layers, "the real plan").staging(self.proxy_moe_layers)
 
     @property
     def real_moe_layers(self) -> int:
