@@ -35,9 +35,15 @@
 #                  ablation too); results in results/quick, figures in figures/quick. Timed: 22 min on
 #                  2 cores offline with the three bundled datasets once the tiny models are trained
 #                  (3-5 min each, once); CHECK=1 QUICK=1 prints the estimate for this machine.
-#   REFERENCE=1    QUICK's shape at the size of the shipped results/reference: 5 prompts x 3 repeats per
-#                  dataset (32 new tokens), K over the paper's {2,...,32}, B in {1,...,32} over 32 prompts;
+#   REFERENCE=1    the shipped results/reference's protocol: 5 prompts x 2 timing repeats per dataset,
+#                  128 new tokens after a 64-token warm-up; K profiled at every tier over {4,8,16,24,32,48}
+#                  for Specter and SpecMoEOff alike (2 prompts per dataset x 128 tokens); B in {1,...,32}
+#                  over 32 prompts of every dataset; the staging ablation on the first model's low tier;
 #                  results in results/reference_run (ARTIFACT.md section 5 gives its time)
+#   JOBS=2         run two measuring steps at a time (default 1). The emulated link's copies are waits, so
+#                  a step leaves most of a core idle; each record re-times the link from its own probe and a
+#                  cell interleaves its methods, so a neighbour slows them alike. The dataset check, training,
+#                  the timed benchmarks and the figures still run alone
 #   CHECK=1        preflight: the plan, its data and a time estimate; runs nothing, writes nothing
 #   DRY_RUN=1      print every step's command; DRY_FAIL="<step> ..." also shows what their failure skips
 #   MODELS         default "tiny_dsv2 tiny_qwen tiny_phi"

@@ -115,23 +115,30 @@ def test_quick_plan(tmp_path):
         assert any(a.startswith(f"output_dir={out}/ablation/staging0/") for a in cmds[name])
 
 
-def test_reference_plan_has_quicks_shape_at_the_papers_prompts_repeats_and_k_set(tmp_path):
+def test_reference_plan_profiles_k_at_every_tier_on_the_papers_record_length(tmp_path):
     steps, _ = dry_run(tmp_path, REFERENCE="1", MODELS="tiny_qwen", ASSETS=str(many_prompts(tmp_path)))
     cmds = dict(steps)
-    assert [n for n in cmds if "k_sweep" in n] == ["reference.k_sweep-tiny_qwen-low",  # one K per model
-                                                    "reference.k_sweep-tiny_qwen-low-specmoeoff"]
-    cell = cmds["reference.main-tiny_qwen-high"]
-    own = cmds["reference.k_sweep-tiny_qwen-low-specmoeoff"]
-    assert "method=specmoeoff" in own and not any(a.startswith("k_sweep.values=") for a in own)  # its own range
-    profile = f"{tmp_path}/out/results/k_sweep/tiny_qwen-low-emulated-specmoeoff/k_profile.json"
-    assert f"+cell.k_profiles.specmoeoff={profile}" in cell  # SpecMoEOff's K from its own profile
-    assert f"k_profile={profile}" in cmds["reference.batch-tiny_qwen-specmoeoff"]
-    cell = cmds["reference.main-tiny_qwen-high"]
-    for arg in ("experiment=cell", "num_prompts=5", "repeats=3", "max_new_tokens=32"):
-        assert arg in cell  # 15 records per dataset and method, as the paper's protocol
-    assert "k_sweep.values=[2,4,6,8,12,16,20,24,32]" in cmds["reference.k_sweep-tiny_qwen-low"]  # the paper's K set
+    assert [n for n in cmds if "k_sweep" in n] == [  # a profile per tier, Specter's and SpecMoEOff's own
+        "reference.k_sweep-tiny_qwen-high", "reference.k_sweep-tiny_qwen-high-specmoeoff",
+        "reference.k_sweep-tiny_qwen-low", "reference.k_sweep-tiny_qwen-low-specmoeoff"]
+    for tier in ("high", "low"):
+        cell = cmds[f"reference.main-tiny_qwen-{tier}"]
+        own = cmds[f"reference.k_sweep-tiny_qwen-{tier}-specmoeoff"]
+        assert "method=specmoeoff" in own and not any(a.startswith("k_sweep.values=") for a in own)
+        assert "method.k_range=[4,8,16,24,32,48]" in own  # the same K set as Specter's, past 32
+        assert "k_sweep.values=[4,8,16,24,32,48]" in cmds[f"reference.k_sweep-tiny_qwen-{tier}"]
+        for arg in ("num_prompts=2", "max_new_tokens=128", "warmup_tokens=64"):  # 6 prompts x 128 tokens
+            assert arg in own and arg in cmds[f"reference.k_sweep-tiny_qwen-{tier}"]
+        profile = f"{tmp_path}/out/results/k_sweep/tiny_qwen-{tier}-emulated-specmoeoff/k_profile.json"
+        assert f"+cell.k_profiles.specmoeoff={profile}" in cell  # SpecMoEOff's K from its own profile, this tier's
+        assert f"k_profile={tmp_path}/out/results/k_sweep/tiny_qwen-{tier}-emulated/k_profile.json" in cell
+        for arg in ("experiment=cell", "num_prompts=5", "repeats=2", "max_new_tokens=128", "warmup_tokens=64"):
+            assert arg in cell  # 5 prompts per dataset x 2 timing repeats, 128 tokens after a 64-token warm-up
+        assert f"output_dir='{tmp_path}/out/results/main/tiny_qwen-{{method}}-{tier}'" in cell
+    batch = cmds["reference.batch-tiny_qwen-specmoeoff"]
+    assert f"k_profile={tmp_path}/out/results/k_sweep/tiny_qwen-high-emulated-specmoeoff/k_profile.json" in batch
     assert "batch.sizes=[1,2,4,8,16,32]" in cmds["reference.batch-tiny_qwen-specter"]
-    assert f"output_dir='{tmp_path}/out/results/main/tiny_qwen-{{method}}-high'" in cell
+    assert "dataset.name=wikitext2\\,humaneval\\,gsm8k" in batch  # the batch sweep on every dataset
     res = script(tmp_path, DRY_RUN="1", QUICK="1", REFERENCE="1")
     assert res.returncode != 0 and "choose one" in res.stderr + res.stdout
 

@@ -281,3 +281,89 @@ def test_kill_9_of_the_runner_still_ends_the_step(tmp_path):
             os.kill(grandchild, signal.SIGKILL)  # the step's own child is not covered (no signal reached the group)
         except ProcessLookupError:
             pass
+
+
+def timed(name: str, kind: str, stamps: Path, seconds: float, rc: int = 0, needs: tuple[str, ...] = ()) -> Step:
+    """A step that appends its start and end times to `stamps` and sleeps `seconds` in between."""
+    code = (f"import time, sys; f = open({str(stamps)!r}, 'a'); f.write(f'{name} start {{time.monotonic()}}\\n'); "
+            f"f.flush(); time.sleep({seconds}); f.write(f'{name} end {{time.monotonic()}}\\n'); sys.exit({rc})")
+    return Step(name=name, kind=kind, argv=(sys.executable, "-c", code), needs=needs)
+
+
+def spans(stamps: Path) -> dict[str, tuple[float, float]]:
+    got: dict[str, list[float]] = {}
+    for line in stamps.read_text().splitlines():
+        name, _, t = line.split()
+        got.setdefault(name, []).append(float(t))
+    return {k: (v[0], v[1]) for k, v in got.items() if len(v) == 2}
+
+
+def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def test_jobs_run_measuring_steps_together_and_exclusive_steps_alone(tmp_path):
+    logs, stamps = tmp_path / "logs", tmp_path / "stamps"
+    logs.mkdir()
+    steps = [timed("train", "train", stamps, 0.3),
+             timed("sweep-a", "k_sweep", stamps, 1.0, needs=("train",)),
+             timed("sweep-b", "k_sweep", stamps, 1.0, needs=("train",)),
+             timed("main-a", "main", stamps, 0.5, needs=("sweep-a",)),
+             timed("main-b", "main", stamps, 0.5, needs=("sweep-b",)),
+             timed("bench", "bench", stamps, 0.3),
+             timed("after", "trace", stamps, 0.3),
+             timed("figures", "figures", stamps, 0.1)]
+    lines: list[str] = []
+    t0 = time.monotonic()
+    out = Runner(logs, say=lines.append).run_all(steps, jobs=2)
+    wall = time.monotonic() - t0
+    assert [o.status for o in out] == [REPRODUCED] * len(steps) and [o.step.name for o in out] == [s.name for s in steps]
+    sp = spans(stamps)
+    assert overlap(sp["sweep-a"], sp["sweep-b"])  # two measuring steps at once
+    assert sp["train"][1] <= sp["sweep-a"][0] and sp["sweep-a"][1] <= sp["main-a"][0]  # needs come first
+    for name in ("train", "bench", "figures"):  # exclusive: nothing beside them
+        assert not any(overlap(sp[name], sp[other]) for other in sp if other != name), name
+    assert sp["main-a"][1] <= sp["bench"][0] and sp["main-b"][1] <= sp["bench"][0]  # a barrier: all before it done
+    assert sp["bench"][1] <= sp["after"][0] and sp["after"][1] <= sp["figures"][0]
+    assert wall < 0.3 + 1.0 + 0.5 + 0.3 + 0.3 + 0.1 + 2.5  # the pairs overlapped (serially: 4.0 s of sleeps)
+    assert any(line.endswith("sweep-a done in 1 s") for line in lines)
+
+
+def test_jobs_skip_dependents_of_a_failed_step_and_run_the_rest(tmp_path):
+    logs, stamps = tmp_path / "logs", tmp_path / "stamps"
+    logs.mkdir()
+    steps = [timed("sweep-a", "k_sweep", stamps, 0.2, rc=3), timed("sweep-b", "k_sweep", stamps, 0.2),
+             timed("main-a", "main", stamps, 0.1, needs=("sweep-a",)),
+             timed("main-b", "main", stamps, 0.1, needs=("sweep-b",))]
+    out = {o.step.name: o for o in Runner(logs, say=lambda _: None).run_all(steps, jobs=2)}
+    assert out["sweep-a"].status == FAILED and out["sweep-a"].rc == 3
+    assert out["main-a"].status == SKIPPED and out["main-a"].root == "sweep-a"
+    assert out["sweep-b"].status == REPRODUCED and out["main-b"].status == REPRODUCED
+
+
+def test_jobs_term_stops_every_running_step(tmp_path):
+    """TERM to a JOBS=2 runner stops both running steps' process groups; the rest are 'not run'."""
+    logs, stamps = tmp_path / "logs", tmp_path / "stamps"
+    logs.mkdir()
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from specter.reproduce.execute import Runner
+        from test_reproduce_runner import timed
+        stamps = Path({str(stamps)!r})
+        steps = [timed("a", "main", stamps, 60), timed("b", "main", stamps, 60), timed("c", "main", stamps, 1)]
+        r = Runner(Path({str(logs)!r}), say=print)
+        r.install_signals()
+        out = r.run_all(steps, jobs=2)
+        print("STATUSES", [o.status for o in out], flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (not stamps.exists() or stamps.read_text().count("start") < 2):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert "STATUSES ['interrupted', 'interrupted', 'not run']" in out
+    assert "end" not in stamps.read_text()  # neither sleeper ran to its end

@@ -43,7 +43,7 @@ def say(line: str = "") -> None:
 def header(s: Settings, plan: Plan, data: DatasetDecision) -> list[str]:
     lines = [f"reproduce_all ({s.mode}): {len(plan.steps)} steps; models: {' '.join(s.models)}; "
              f"tiers: {' '.join(s.tiers)}; hardware: {s.hardware}; methods: {' '.join(s.methods)}"
-             + (f"; launcher: {s.launcher}" if s.launcher else ""),
+             + (f"; launcher: {s.launcher}" if s.launcher else "") + (f"; {s.jobs} steps at a time" if s.jobs > 1 else ""),
              f"{data.summary()}  [assets: {data.assets_dir}; DATASET={s.dataset}]"]
     if s.dry_run or s.check:
         lines.append("  (decided from what is present now; a real run first lets prepare_datasets place what it can)")
@@ -51,7 +51,7 @@ def header(s: Settings, plan: Plan, data: DatasetDecision) -> list[str]:
         lines.append("  every run is given these datasets explicitly (dataset=...), as its config.yaml and "
                      "provenance.json record; to add the others:")
         lines += data.how_to_add()
-    if s.quick and data.ready:
+    if s.one_dataset_steps and data.ready:
         batch = f"batching {primary(data.batch_ready)}; " if data.batch_ready else ""
         lines.append(f"  {s.mode.upper()}: one dataset for {batch}the trace and the prefetch ablation {primary(data.ready)}")
     lines += [f"  note: {n}" for n in plan.notes]
@@ -173,7 +173,7 @@ def _main(env: dict[str, str] | None) -> int:
     elif data.narrowed:
         first.why = f"narrowed to {', '.join(data.ready)}"
     runner.outcomes[plan.steps[0].name] = first
-    outcomes = [first] + runner.run_all(plan.steps[1:], start=2, total=len(plan.steps))
+    outcomes = [first] + runner.run_all(plan.steps[1:], start=2, total=len(plan.steps), jobs=s.jobs)
     lines = summary(outcomes, data, s.mode, time.monotonic() - t_all, s.results, s.figures, s.logs)
     say()
     for line in lines:

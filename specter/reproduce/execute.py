@@ -1,5 +1,12 @@
 """Running the steps: one log and one marker per step, dependents of a failed step skipped, and the
-running child stopped (its whole process group) when reproduce_all gets TERM, INT or HUP.
+running children stopped (each one's whole process group) when reproduce_all gets TERM, INT or HUP.
+
+`jobs` > 1 runs that many measuring steps at once (JOBS=2 on 2 cores: the emulated link's copies are
+waits, so a step leaves most of its core idle). A step starts when the steps it needs have finished;
+a step of an EXCLUSIVE kind (the dataset check, training, the timed benchmarks, the figures) runs
+alone and is a barrier: nothing after it starts before it has finished, nothing before it is still
+running when it starts. Every method of a cell is interleaved in one process, so a neighbour on the
+other core slows its methods alike; each record re-times the link from its own probe.
 
 A step counts as done earlier only when its marker holds the same command AND its outputs are
 valid (`outputs.outputs_problem`); a deleted or incomplete result folder is run again. Trained tiny
@@ -29,6 +36,8 @@ FAILED, SKIPPED, DONE, REPRODUCED, INTERRUPTED, NOT_RUN = (
     "failed", "skipped", "done earlier", "reproduced", "interrupted", "not run")
 PLANNED = "planned"  # DRY_RUN only
 STOPPED = (FAILED, SKIPPED, INTERRUPTED, NOT_RUN)  # a step that needs one of these is skipped
+EXCLUSIVE_KINDS = ("datasets", "train", "bench", "figures")  # alone: shared inputs, timed kernels, the last step
+POLL_S = 0.2  # how often a parallel run looks at its children
 
 
 @dataclass
@@ -40,6 +49,18 @@ class Outcome:
     detail: list[str] = field(default_factory=list)  # the error message, line by line
     root: str = ""                     # the failed step a skip goes back to
     rc: int | None = None              # the step's exit status, when it ran
+
+
+@dataclass
+class _Running:
+    """A step whose process has started: what its end needs."""
+
+    step: Step
+    tag: str
+    proc: subprocess.Popen
+    log: object                        # the open log file
+    t0: float
+    accept: Callable[[int], bool] | None = None
 
 
 class Interrupted(Exception):
@@ -74,11 +95,11 @@ def error_lines(log: Path, limit: int = 12) -> list[str]:
 
 
 class Runner:
-    """Runs steps one at a time in the repository root; `say` prints progress lines."""
+    """Runs steps in the repository root, one at a time or `jobs` at once; `say` prints progress lines."""
 
     def __init__(self, logs: Path, force: bool = False, say: Callable[[str], None] = print, repo: Path = REPO):
         self.logs, self.force, self.say, self.repo = logs, force, say, repo
-        self.proc: subprocess.Popen | None = None
+        self.procs: list[subprocess.Popen] = []  # the steps running now
         self.signum: int | None = None
         self.outcomes: dict[str, Outcome] = {}
 
@@ -87,27 +108,29 @@ class Runner:
         if self.signum is None:
             self.signum = signum
             raise Interrupted(signum)
-        if self.proc is not None and self.proc.poll() is None:  # a second signal: no more grace
-            _kill_group(self.proc, signal.SIGKILL)
+        for proc in self.procs:  # a second signal: no more grace
+            if proc.poll() is None:
+                _kill_group(proc, signal.SIGKILL)
 
     def install_signals(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
 
-    def stop_child(self) -> None:
-        """TERM the running step's process group, wait, then KILL what is left."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        self.say(f"    stopping the running step (pid {proc.pid}) and its children")
-        _kill_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc, signal.SIGKILL)
-            proc.wait()
-        finally:
-            _kill_group(proc, signal.SIGKILL)  # grandchildren that outlived the leader
+    def stop_children(self) -> None:
+        """TERM every running step's process group, wait, then KILL what is left."""
+        live = [p for p in self.procs if p.poll() is None]
+        for proc in live:
+            self.say(f"    stopping the running step (pid {proc.pid}) and its children")
+            _kill_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_group(proc, signal.SIGKILL)
+                proc.wait()
+            finally:
+                _kill_group(proc, signal.SIGKILL)  # grandchildren that outlived the leader
 
     # ------------------------------------------------------------ markers
     def marker(self, step: Step) -> Path:
@@ -148,6 +171,20 @@ class Runner:
 
     def run_step(self, step: Step, index: int, total: int, accept: Callable[[int], bool] | None = None) -> Outcome:
         """Run (or skip) one step; `accept(rc)` overrides the exit-status rule (the dataset check)."""
+        started = self._launch(step, index, total, accept)
+        if isinstance(started, Outcome):
+            return started
+        self.procs = [started.proc]
+        try:
+            rc = started.proc.wait()
+        except Interrupted as sig:
+            return self._interrupted(started, sig)
+        finally:
+            self.procs = []
+        return self._finish(started, rc)
+
+    def _launch(self, step: Step, index: int, total: int, accept=None) -> Outcome | _Running:
+        """Skip `step` (a needed step stopped; done earlier) or start its process."""
         tag = f"[{index}/{total}] {step.name}" if total else f"[{index}] {step.name}"
         blocked = self.blocker(step)
         if blocked is not None:
@@ -164,28 +201,30 @@ class Runner:
         for line in set_aside_other_datasets(step, time.strftime("%Y%m%d-%H%M%S")):
             self.say(f"{tag}: {line}")
         self.say(f"{tag}: running (log: {log})")
-        t0 = time.monotonic()
-        with log.open("w", encoding="utf-8") as fh:
-            fh.write(f"$ {step.command}\n\n")
-            fh.flush()
-            try:
-                self.proc = subprocess.Popen(list(step.argv), stdout=fh, stderr=subprocess.STDOUT, cwd=self.repo,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
-            except OSError as err:
-                self.proc = None
-                return self._keep(Outcome(step, FAILED, 0.0, f"cannot start: {err}", [f"cannot start: {err}"]))
-            try:
-                rc = self.proc.wait()
-            except Interrupted as sig:
-                self.stop_child()
-                seconds = time.monotonic() - t0
-                self.proc = None
-                outcome = Outcome(step, INTERRUPTED, seconds, f"stopped by {sig}")
-                self.say(f"    stopped by {sig} after {seconds:.0f} s")
-                return self._keep(outcome)
-            self.proc = None
-        seconds = time.monotonic() - t0
-        ok = accept(rc) if accept else rc == 0
+        fh = log.open("w", encoding="utf-8")
+        fh.write(f"$ {step.command}\n\n")
+        fh.flush()
+        try:
+            proc = subprocess.Popen(list(step.argv), stdout=fh, stderr=subprocess.STDOUT, cwd=self.repo,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        except OSError as err:
+            fh.close()
+            return self._keep(Outcome(step, FAILED, 0.0, f"cannot start: {err}", [f"cannot start: {err}"]))
+        return _Running(step, tag, proc, fh, time.monotonic(), accept)
+
+    def _interrupted(self, started: _Running, sig: Interrupted) -> Outcome:
+        self.stop_children()
+        started.log.close()
+        seconds = time.monotonic() - started.t0
+        self.say(f"    {started.step.name} stopped by {sig} after {seconds:.0f} s")
+        return self._keep(Outcome(started.step, INTERRUPTED, seconds, f"stopped by {sig}"))
+
+    def _finish(self, started: _Running, rc: int) -> Outcome:
+        """The outcome of a step whose process exited with `rc`: its outputs checked, its marker written."""
+        started.log.close()
+        step, seconds = started.step, time.monotonic() - started.t0
+        log = self.log_path(step)
+        ok = started.accept(rc) if started.accept else rc == 0
         if not ok:
             detail = error_lines(log)
             outcome = Outcome(step, FAILED, seconds, f"exit {rc}: {detail[0] if detail else 'see the log'}", detail,
@@ -201,20 +240,22 @@ class Runner:
                 outcome = Outcome(step, REPRODUCED, seconds, rc=rc)
         write_timing(self.logs, step, seconds, outcome.status)
         if outcome.status == FAILED:
-            self.say(f"    FAILED after {seconds:.0f} s (log: {log}):")
+            self.say(f"    {step.name} FAILED after {seconds:.0f} s (log: {log}):")
             for line in outcome.detail:
                 self.say(f"      {line}")
         else:
-            self.say(f"    done in {seconds:.0f} s")
+            self.say(f"    {step.name} done in {seconds:.0f} s")
         return self._keep(outcome)
 
     def _keep(self, outcome: Outcome) -> Outcome:
         self.outcomes[outcome.step.name] = outcome
         return outcome
 
-    def run_all(self, steps: list[Step], start: int = 1, total: int | None = None) -> list[Outcome]:
-        """Run `steps` in order; after a signal the rest are 'not run'. Raises Interrupted at the end."""
+    def run_all(self, steps: list[Step], start: int = 1, total: int | None = None, jobs: int = 1) -> list[Outcome]:
+        """Run `steps` (`jobs` at a time); after a signal the rest are 'not run'. Returns them in plan order."""
         total = total or len(steps)
+        if jobs > 1:
+            return self._run_parallel(steps, start, total, jobs)
         done: list[Outcome] = []
         for i, step in enumerate(steps):
             if self.signum is not None:
@@ -225,6 +266,51 @@ class Runner:
             except Interrupted:  # between steps: nothing is running
                 done.append(self._keep(Outcome(step, NOT_RUN, why="reproduce_all was stopped")))
         return done
+
+    def _run_parallel(self, steps: list[Step], start: int, total: int, jobs: int) -> list[Outcome]:
+        pending = list(enumerate(steps, start))
+        running: list[_Running] = []
+        ours = {s.name for s in steps}
+        try:
+            while pending or running:
+                self._start_ready(pending, running, ours, jobs, total)
+                time.sleep(POLL_S)
+                for r in [r for r in running if r.proc.poll() is not None]:
+                    running.remove(r)
+                    self.procs.remove(r.proc)
+                    self._finish(r, r.proc.returncode)
+        except Interrupted as sig:
+            self.stop_children()
+            for r in running:
+                r.log.close()
+                self._keep(Outcome(r.step, INTERRUPTED, time.monotonic() - r.t0, f"stopped by {sig}"))
+                self.say(f"    {r.step.name} stopped by {sig}")
+        self.procs = []
+        for _, step in pending:
+            self._keep(Outcome(step, NOT_RUN, why="reproduce_all was stopped"))
+        return [self.outcomes[s.name] for s in steps]
+
+    def _start_ready(self, pending: list, running: list[_Running], ours: set[str], jobs: int, total: int) -> None:
+        """Start pending steps in plan order while a slot is free: each once its needs have finished; an
+        exclusive step only with nothing running, and never one past a pending exclusive step."""
+        waiting = {s.name for _, s in pending} | {r.step.name for r in running}  # not finished yet
+        for item in list(pending):
+            index, step = item
+            exclusive = step.kind in EXCLUSIVE_KINDS
+            if len(running) >= jobs or any(r.step.kind in EXCLUSIVE_KINDS for r in running) or \
+                    (exclusive and (running or item is not pending[0])):
+                return
+            if any(n in ours and n in waiting for n in step.needs) and (running or item is not pending[0]):
+                if exclusive:
+                    return
+                continue  # (the first pending step with nothing running starts: its needs cannot finish first)
+            pending.remove(item)
+            started = self._launch(step, index, total)
+            if isinstance(started, _Running):
+                running.append(started)
+                self.procs.append(started.proc)
+            if exclusive:
+                return
 
 
 def _die_with_parent() -> None:

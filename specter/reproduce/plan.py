@@ -98,7 +98,7 @@ def _k_profile(s: Settings, model: str, tier: str, method: str = "specter") -> P
     """The K profile a run of `model` at `tier` uses: Specter's (also MoE-Spec's), or the own profile of a
     method with a profile of its own (QUICK and REFERENCE sweep the low tier only)."""
     own = "" if is_method(method, reads_specter_profile=True) else f"-{method}"
-    return s.results / "k_sweep" / f"{model}-{'low' if s.quick else tier}-{s.hardware}{own}" / "k_profile.json"
+    return s.results / "k_sweep" / f"{model}-{s.profile_tier(tier)}-{s.hardware}{own}" / "k_profile.json"
 
 
 def _profile_args(s: Settings, model: str, tier: str, method: str) -> list[str]:
@@ -136,8 +136,8 @@ class _Builder:
         self.ds = dataset_overrides(data.ready) if data.ready else ["dataset=all"]
         # QUICK batches and ablates prefetching on one dataset (experiment=batch's own default is one:
         # humaneval); the full protocol on every dataset present
-        self.batch_sets = (primary(data.batch_ready),) if s.quick and data.batch_ready else data.batch_ready
-        self.prefetch_sets = (primary(data.ready),) if s.quick and data.ready else data.ready
+        self.batch_sets = (primary(data.batch_ready),) if s.one_dataset_steps and data.batch_ready else data.batch_ready
+        self.prefetch_sets = (primary(data.ready),) if s.one_dataset_steps and data.ready else data.ready
         self.data_needs: tuple[str, ...] = ()
         self.trained: dict[str, str] = {}  # model -> the training step it needs
         self.sweeps: dict[tuple[str, str], str] = {}  # (model, tier) -> the step that writes its K profile
@@ -159,7 +159,7 @@ class _Builder:
 
     def sweep_of(self, model: str, tier: str, method: str = "specter") -> tuple[str, ...]:
         """The step that writes the K profile a run of `method` reads (none when no step of this plan does)."""
-        tier = "low" if self.s.quick else tier
+        tier = self.s.profile_tier(tier)
         name = (self.sweeps.get((model, tier)) if is_method(method, reads_specter_profile=True)
                 else self.own_sweeps.get((model, tier, method)))
         return (name,) if name else ()
@@ -198,16 +198,20 @@ class _Builder:
                          needs=self.needs(m), checks=(Check("k_sweep", out),),
                          records=n_ds * sweep.num_prompts * sweep.repeats * len(sweep.k_values),
                          units=len(sweep.k_values), model=m, method="specter").name
-                for method in (x for x in s.methods if is_method(x, own_k_profile=True)):  # its own K range, not the paper's set
+                # a method with a K range of its own sweeps that range in the full protocol; a shortened one
+                # sweeps every speculative method over the same K set (method.k_range), as long as Specter's
+                for method in (x for x in s.methods if is_method(x, own_k_profile=True)):
                     out = _k_profile(s, m, tier, method).parent
-                    k_range = len((yaml.safe_load((self.repo / "conf" / "method" / f"{method}.yaml").read_text()) or {})
-                                  .get("k_range") or ())
+                    k_range = len(sweep.k_values) if s.quick else len(
+                        (yaml.safe_load((self.repo / "conf" / "method" / f"{method}.yaml").read_text()) or {})
+                        .get("k_range") or ())
+                    own_range = ["method.k_range=[" + ",".join(map(str, sweep.k_values)) + "]"] if s.quick else []
                     self.own_sweeps[(m, tier, method)] = self.plan.add(
                         "k_sweep", f"k_sweep-{m}-{tier}-{method}",
                         [py, "run.py", "experiment=k_sweep", f"method={method}", f"model={m}", f"memory={tier}",
                          f"hardware={s.hardware}", *self.ds, *self.trained_opt(m),
                          *[o for o in self.quick_over(sweep, "k_sweep") if not o.startswith("k_sweep.values=")],
-                         *self.assets, f"output_dir={out}"],
+                         *own_range, *self.assets, f"output_dir={out}"],
                         needs=self.needs(m), checks=(Check("k_sweep", out),),
                         records=n_ds * sweep.num_prompts * sweep.repeats * k_range, units=k_range, model=m,
                         method=method).name

@@ -71,6 +71,7 @@ class Settings:
     batch_methods: tuple[str, ...]
     dry_fail: tuple[str, ...] = field(default=())  # DRY_RUN only: steps to treat as failed
     sizes: str = "quick"              # a shortened run's sizes: quick | reference (specter/reproduce/protocol.py)
+    jobs: int = 1                     # measuring steps run at once (JOBS; specter/reproduce/execute.py)
 
     @property
     def mode(self) -> str:
@@ -78,7 +79,17 @@ class Settings:
 
     @property
     def sweep_tiers(self) -> tuple[str, ...]:
-        return ("low",) if self.quick else self.tiers
+        """The tiers K is profiled at: every tier, except QUICK's (the low tier's profile serves both)."""
+        return ("low",) if self.mode == "quick" else self.tiers
+
+    def profile_tier(self, tier: str) -> str:
+        """The tier whose K profile a run at `tier` reads."""
+        return tier if tier in self.sweep_tiers else self.sweep_tiers[0]
+
+    @property
+    def one_dataset_steps(self) -> bool:
+        """QUICK batches and ablates prefetching on one dataset; REFERENCE and the full protocol on every one."""
+        return self.mode == "quick"
 
     @property
     def assets_dir(self) -> str:
@@ -130,8 +141,15 @@ def read_settings(env: Mapping[str, str] | None = None, repo: Path = REPO) -> Se
         launcher=launcher, results=results, figures=figures,
         logs=logs, assets=env.get("ASSETS") or None, home=home,
         methods=methods, batch_models=batch_models, batch_methods=batch_methods,
-        dry_fail=tuple(env.get("DRY_FAIL", "").replace(",", " ").split()), sizes=sizes,
+        dry_fail=tuple(env.get("DRY_FAIL", "").replace(",", " ").split()), sizes=sizes, jobs=_jobs(env),
     )
+
+
+def _jobs(env: Mapping[str, str]) -> int:
+    raw = env.get("JOBS", "1").strip() or "1"
+    if not raw.isdigit() or not 1 <= int(raw) <= (os.cpu_count() or 1):
+        raise SettingsError(f"JOBS={raw!r}: a whole number from 1 to this machine's {os.cpu_count()} cores")
+    return int(raw)
 
 
 def _folder(name: str, folder: Path) -> None:
