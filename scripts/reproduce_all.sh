@@ -36,7 +36,7 @@
 #                  2 cores offline with the three bundled datasets once the tiny models are trained
 #                  (3-5 min each, once); CHECK=1 QUICK=1 prints the estimate for this machine.
 #   REFERENCE=1    the shipped results/reference's protocol: 5 prompts x 2 timing repeats per dataset,
-#                  128 new tokens after a 64-token warm-up; K profiled at every tier over {4,8,16,24,32,48}
+#                  128 new tokens after a 64-token warm-up; K profiled at every tier over {4,8,16,32,48,64,96}
 #                  for Specter and SpecMoEOff alike (2 prompts per dataset x 128 tokens); B in {1,...,32}
 #                  over 32 prompts of every dataset; the staging ablation on the first model's low tier;
 #                  results in results/reference_run (ARTIFACT.md section 5 gives its time)

@@ -84,7 +84,7 @@ def test_invalid_values_rejected(overrides, match):
 def test_specter_defaults_follow_the_paper():
     cfg = compose(["method=specter"])
     assert cfg.method.quant == "gptq" and cfg.method.prefetch == "adaptive" and cfg.method.schedule == "expert"
-    assert compose(["experiment=k_sweep"]).k_sweep["values"] == [2, 4, 6, 8, 12, 16, 20, 24, 32, 48]
+    assert compose(["experiment=k_sweep"]).k_sweep["values"] == [2, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64, 96]
 
 
 def test_one_default_job(monkeypatch, capsys):

@@ -125,8 +125,8 @@ def test_reference_plan_profiles_k_at_every_tier_on_the_papers_record_length(tmp
         cell = cmds[f"reference.main-tiny_qwen-{tier}"]
         own = cmds[f"reference.k_sweep-tiny_qwen-{tier}-specmoeoff"]
         assert "method=specmoeoff" in own and not any(a.startswith("k_sweep.values=") for a in own)
-        assert "method.k_range=[4,8,16,24,32,48]" in own  # the same K set as Specter's, past 32
-        assert "k_sweep.values=[4,8,16,24,32,48]" in cmds[f"reference.k_sweep-tiny_qwen-{tier}"]
+        assert "method.k_range=[4,8,16,32,48,64,96]" in own  # the same K set as Specter's, to 96
+        assert "k_sweep.values=[4,8,16,32,48,64,96]" in cmds[f"reference.k_sweep-tiny_qwen-{tier}"]
         for arg in ("num_prompts=2", "max_new_tokens=128", "warmup_tokens=64"):  # 6 prompts x 128 tokens
             assert arg in own and arg in cmds[f"reference.k_sweep-tiny_qwen-{tier}"]
         profile = f"{tmp_path}/out/results/k_sweep/tiny_qwen-{tier}-emulated-specmoeoff/k_profile.json"

@@ -112,7 +112,7 @@ class SpecterMethodConfig(OffloadMethodConfig):
 
 @dataclass
 class KSweepConfig:
-    values: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32, 48])
+    values: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64, 96])
 
 
 @dataclass
@@ -148,7 +148,7 @@ class ProjectConfig:
     warmup_tokens: int = 64  # one warm-up record first
     quant: str = "gptq"  # the INT4 g128 draft: gptq (the paper's) | rtn
     profile: list[str] = field(default_factory=lambda: ["specter", "specmoeoff"])  # methods whose K is profiled
-    k_values: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32, 48])  # Specter's K set
+    k_values: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64, 96])  # Specter's K set
     profile_prompts: int = 2  # held-out prompts after the measured ones, for the K profile
     batch: bool = False  # batching step: batch_methods at each of batch_sizes
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
@@ -289,7 +289,7 @@ class SeparateDraftMethodConfig(OffloadMethodConfig):
 class SpecMoEOffMethodConfig(SeparateDraftMethodConfig):
     """SpecMoEOff as designed: residents = what fits the budget; K from its own profile (k_profile=)."""
 
-    k_range: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48])  # what experiment=k_sweep sweeps
+    k_range: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96])  # what experiment=k_sweep sweeps
 
 
 @dataclass
