@@ -81,3 +81,29 @@ def test_choose_K_is_the_lowest_mean_tpot():
     table = pd.DataFrame({"K": [2, 4, 8, 16], "mean_tpot_ms": [5.0, 3.0, 4.0, 3.0]})
     assert choose_K(table) == 4  # 4 and 16 tie at 3.0 ms: the smaller K wins
     assert choose_K(table.iloc[[0, 2]]) == 8
+
+
+def test_k_sweep_profiles_the_k_that_fit_and_records_the_refused(tiny_checkpoint, tmp_path, monkeypatch):
+    """A K the tier's budget refuses (a longer window's KV and scratch) is recorded, not fatal; none fitting is."""
+    import specter.experiments.run as run_module
+    from specter.experiments.profile_k import profile_k
+    from specter.offload.budget import BudgetError
+
+    tiny_checkpoint("tiny_qwen")
+    real_run = run_module.run
+
+    def budget_refuses_long_windows(cfg):
+        if int(cfg.K) > 3:
+            raise BudgetError(f"K={cfg.K} needs more than the budget")
+        return real_run(cfg)
+
+    monkeypatch.setattr(run_module, "run", budget_refuses_long_windows)
+    out = tmp_path / "sweep"
+    args = ["experiment=k_sweep", "model=tiny_qwen", "hardware=emulated", "dataset=humaneval", "num_prompts=1",
+            "repeats=1", "max_new_tokens=8", "warmup_tokens=0", "progress=false", "method.quant=rtn"]
+    profile_k(compose(args + ["k_sweep.values=[1,3,5]", f"output_dir={out}"]))
+    profile = json.loads((out / "k_profile.json").read_text())
+    assert list(pd.read_csv(out / "k_sweep.csv").K) == [1, 3] and profile["swept"] == [1, 3]
+    assert profile["K"] in (1, 3) and list(profile["refused"]) == ["5"] and "budget" in profile["refused"]["5"]
+    with pytest.raises(BudgetError, match="no K of"):
+        profile_k(compose(args + ["k_sweep.values=[4,5]", f"output_dir={tmp_path / 'none'}"]))

@@ -7,6 +7,10 @@ prompts × repeats. Each K is an ordinary resumable run in `<output_dir>/K=<K>/`
 back into `method=specter`. `method=specmoeoff` profiles its own K the same way over its own range
 (`method.k_range`, which replaces k_sweep.values); its profile names the method, and only
 SpecMoEOff reads a profile that does.
+
+A K the memory tier cannot hold (a longer window needs more KV and scratch; SpecMoEOff's separate draft
+needs both twice) is refused by the budget before it measures anything: the sweep records it in the
+profile's `refused` and profiles the K that fit. Only a sweep in which no K fits fails.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from specter.assembly.config import ConfigError, load_ratio_of
 from specter.records.records import read_records
 from specter.assembly.runners import is_method, method_names
+from specter.offload.budget import BudgetError
 from specter.paths import atomic_write_text, write_table
 
 
@@ -62,10 +67,15 @@ def profile_k(cfg: DictConfig) -> Path:
     if other:
         raise ConfigError(f"{root} holds a K sweep of method={other}; give method={cfg.method.name}'s sweep its own "
                           "output_dir=")
-    rows = []
+    rows, refused = [], {}
     for K in sweep_values(cfg):
         sub = OmegaConf.merge(cfg, {"K": K, "output_dir": str(root / f"K={K}"), "experiment": "run"})
-        out = run(sub)
+        try:
+            out = run(sub)
+        except BudgetError as err:  # refused before measuring: every K is tried, none is assumed not to fit
+            refused[K] = str(err)
+            print(f"K={K} refused at memory={cfg.memory.name}: {err}")
+            continue
         rec = read_records(out / "records.csv")
         rows.append({
             "K": K, "records": len(rec),
@@ -75,6 +85,9 @@ def profile_k(cfg: DictConfig) -> Path:
             "mean_accepted_len": rec.mean_accepted_len.mean(),
             "h2d_mb_per_token": (rec.h2d_bytes / rec.new_tokens).mean() / 1e6,
         })
+    if not rows:
+        raise BudgetError(f"no K of {sweep_values(cfg)} fits memory={cfg.memory.name}: "
+                          + next(iter(refused.values())))
     table = pd.DataFrame(rows)
     write_table(root / "k_sweep.csv", table)
     best = table.loc[table.K == choose_K(table)].iloc[0]
@@ -86,6 +99,8 @@ def profile_k(cfg: DictConfig) -> Path:
         "swept": [int(k) for k in table.K],
         # the minimum at the smallest or largest K swept: the true optimum may lie outside the range
         "at_edge": int(best.K) in (int(table.K.min()), int(table.K.max())) and len(table) > 1,
+        # K the tier's budget refused ({K: why}); a minimum at the largest K that fits is bounded by memory
+        "refused": {str(k): why for k, why in refused.items()},
     }
     if cfg.hardware.get("link") == "emulated":  # the K holds at this link cost only (config.profiled_k_of checks)
         profile["load_ratio"], profile["load_ratio_source"] = load_ratio_of(cfg)
@@ -95,5 +110,7 @@ def profile_k(cfg: DictConfig) -> Path:
         raise ConfigError(f"cannot write {root / 'k_profile.json'} ({err.strerror or err})") from None
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     edge = " — at the edge of the swept range: widen k_sweep.values to see the minimum" if profile["at_edge"] else ""
+    if refused:
+        edge += f" (K={','.join(map(str, refused))} refused: the tier's memory does not hold them)"
     print(f"chosen K = {profile['K']} (lowest mean TPOT){edge} -> {root / 'k_profile.json'}")
     return root
