@@ -427,3 +427,12 @@ def test_batch_row_carries_a_lossy_methods_token_match():
 
     assert batch_row([run(0.4, 0.6), run(0.2)])["token_match_fraction"] == pytest.approx(0.4)
     assert batch_row([run(None)])["token_match_fraction"] is None  # a lossless method leaves it empty
+
+
+def test_k_minimum_at_the_memory_limit_is_not_a_range_edge():
+    """A sweep whose larger K the tier refused ends at memory, not at a range a user could widen."""
+    sweep = pd.DataFrame({"K": [4, 8, 16, 32], "mean_tpot_ms": [9.0, 8.0, 7.0, 6.0]})
+    assert k_sweep.minimum_at(sweep) == "edge: largest K swept (K=32)"
+    assert k_sweep.minimum_at(sweep, refused=["48", "64"]) == "edge: largest K the memory tier holds (K=32; K=48,64 refused)"
+    inner = sweep.assign(mean_tpot_ms=[9.0, 6.0, 7.0, 8.0])
+    assert k_sweep.minimum_at(inner, refused=[48]) == "interior"

@@ -7,7 +7,9 @@ mean TPOT (the paper's rule) and model/memory come from a K=<k>/config.yaml or t
 
 Each sweep says where its minimum lies (`minimum`): "interior" when a swept K on each side has a
 higher mean TPOT, else "edge: smallest/largest K swept" — then the chosen K may not be the
-tier's best and the range should be widened. table_k_used lists, per model, tier and
+tier's best and the range should be widened — unless the K past it were refused by the tier's memory (the
+profile's `refused`: a longer window's KV and scratch do not fit), which no range widens: "edge: largest K
+the memory tier holds". table_k_used lists, per model, tier and
 speculative method, the K its records ran with beside the K the same tier's sweep chose, so a K
 taken from another tier's profile (or from a sweep whose minimum is at its edge) shows.
 """
@@ -75,24 +77,37 @@ def sweep_table(results: ResultSet) -> pd.DataFrame:
         if info.get("method", "specter") != "specter":  # another method's own K profile (SpecMoEOff's range)
             continue
         df = df.assign(model=info.get("model"), memory=info.get("memory") or "", hardware=info.get("hardware") or "",
-                       chosen=df["K"] == info["K"])
+                       chosen=df["K"] == info["K"], refused=",".join(sorted(info.get("refused") or {}, key=int)))
         frames.append(df)
     if not frames:
         return pd.DataFrame()
     table = pd.concat(frames, ignore_index=True)
     table["minimum"] = ""
     for _, g in table.groupby(["model", "memory", "hardware"], sort=False):
-        table.loc[g.index, "minimum"] = minimum_at(g)
-    lead = ["model", "memory", "hardware", "K", "chosen", "mean_tpot_ms", "minimum"]
+        table.loc[g.index, "minimum"] = minimum_at(g, refused_of(g))
+    lead = ["model", "memory", "hardware", "K", "chosen", "mean_tpot_ms", "minimum", "refused"]
     cols = lead + [c for c in ("median_tpot_ms", "mean_tpot_fair_ms", *ACCEPTANCE, "mean_accepted_len",
                                "h2d_mb_per_token", "records") if c in table.columns]
     table["_m"] = table["model"].map({m: i for i, m in enumerate(order_models(table["model"]))})
     return table.sort_values(["_m", "memory", "hardware", "K"])[cols].reset_index(drop=True)
 
 
-def minimum_at(sweep: pd.DataFrame) -> str:
-    """Where one sweep's lowest mean TPOT lies: "interior" or "edge: smallest/largest K swept (K=k)"."""
+def refused_of(group: pd.DataFrame) -> list[int]:
+    """The K a sweep's profile says its memory tier refused (the `refused` column sweep_table adds)."""
+    if "refused" not in group.columns or group.empty:
+        return []
+    return [int(k) for k in str(group["refused"].iloc[0]).split(",") if k.strip()]
+
+
+def minimum_at(sweep: pd.DataFrame, refused=()) -> str:
+    """Where one sweep's lowest mean TPOT lies: "interior", "edge: smallest/largest K swept (K=k)", or
+    "edge: largest K the memory tier holds" when the tier refused every larger K it was asked for."""
     d = sweep.dropna(subset=["mean_tpot_ms"]).sort_values("K")
+    refused = sorted(int(k) for k in refused)
+    if refused and len(d) and int(d.loc[d["mean_tpot_ms"].idxmin(), "K"]) == int(d["K"].iloc[-1]) \
+            and refused[0] > int(d["K"].iloc[-1]):
+        return (f"edge: largest K the memory tier holds (K={int(d['K'].iloc[-1])}; "
+                f"K={','.join(map(str, refused))} refused)")
     if len(d) < 3:
         return f"edge: only {len(d)} K swept"
     best = int(d.loc[d["mean_tpot_ms"].idxmin(), "K"])
@@ -107,7 +122,7 @@ def chosen_profiles(results: ResultSet) -> dict[tuple[str, str, str], tuple[int,
     """(model, memory, method) -> (chosen K, where the minimum lies) of every K profile in the set:
     Specter's (which MoE-Spec shares) and a method's own (SpecMoEOff's, over its own K range)."""
     return {(str(info.get("model")), str(info.get("memory") or ""), str(info.get("method") or "specter")):
-            (int(info["K"]), minimum_at(df)) for info, df in _sweeps(results, quiet=True)}
+            (int(info["K"]), minimum_at(df, info.get("refused") or ())) for info, df in _sweeps(results, quiet=True)}
 
 
 READS_SPECTERS = ("specter", "moe_spec")  # the methods k_profile= applies to (cell.k_profile_methods)
@@ -163,7 +178,8 @@ def build(results: ResultSet, out: Output) -> None:
     if table.empty:
         raise Skip("no k_sweep.csv (python run.py experiment=k_sweep ...)")
     out.table(table, NAME, TITLE, notes=["chosen: the K that k_profile.json recorded (lowest mean TPOT). minimum: "
-                                         "interior, or at an edge of the swept range (then widen the range)."])
+                                         "interior, or at an edge of the swept range (then widen the range; a K past the largest one the memory "
+                                         "tier holds is listed in refused and cannot be widened into)."])
     models = order_models(table["model"])
     acc = next((c for c in ACCEPTANCE if c in table.columns and table[c].notna().any()), None)
     has_acc = acc is not None
