@@ -358,7 +358,7 @@ def test_verdict_cpu_fastest_projection_slower(built):
     assert row.proxy == "tiny_dsv2"
     assert row.cpu_verdict == "fastest" and row.projection_verdict == "slower than mo_sm"
     assert "closest offload_ar 1.68 [1.50," in row.cpu_reason  # 47/28 and its CI over prompts
-    assert "acceptance 0.92 at K=16" in row.cpu_reason and "H2D" in row.cpu_reason
+    assert "α 0.92 at K=16" in row.cpu_reason and "H2D" in row.cpu_reason
     assert "Specter 33.80 ms, 46.24 loads/token" in row.projection_reason
     assert "fastest rival mo_sm 31.80 ms, 43.50 loads/token" in row.projection_reason
     assert "Belady bound 36.99 loads/token" in row.projection_reason  # no copy_busy: H2D unknown
@@ -383,7 +383,7 @@ def _cell_records(model: str, memory: str, tpots: dict[str, list[float]], **extr
                              "tpot_ms": t, "new_tokens": 32, "output_digest": f"p{i}",
                              "h2d_bytes": 32 * 1000 * (3 if spec else 4), "staging_bytes": 4000, "staging_buffers": 4,
                              "resident_experts": 8 if spec else 12, "K": 16 if spec else None,
-                             "acceptance_alpha": 0.9 if spec else None,
+                             "acceptance_alpha": 0.9 if spec else None, "accepted_fraction": 0.75 if spec else None,
                              "token_match_fraction": 0.3 if method == "moe_spec" else None, **extra})
     return pd.DataFrame(rows)
 
@@ -404,7 +404,7 @@ def test_verdict_cpu_straddles_and_slower():
     assert s.cpu_reason.startswith("CI holds 1 against mo_sm ") and "offload_ar" not in s.cpu_reason.split(".")[0]
     # one expert = 4000 / 4 bytes: Specter 3 and MO-SM 4 loads per token; M+S = resident + staging
     assert s.specter_loads_per_token == pytest.approx(3.0) and s.rival_loads_per_token == pytest.approx(4.0)
-    assert "Specter: 3.00 loads/token, acceptance 0.90 at K=16, M+S 8+4" in s.cpu_reason
+    assert "Specter: 3.00 loads/token, accepted 0.75 of K=16 (α 0.90), M+S 8+4" in s.cpu_reason
     assert "mo_sm: 4.00 loads/token, M+S 12+4" in s.cpu_reason
     q = cpu.loc["tiny_qwen"]
     assert q.cpu_verdict == "slower than mo_sm" and q.cpu_reason.startswith("CI below 1 against mo_sm 0.50")
@@ -437,6 +437,8 @@ def test_verdict_projection_profiled_k_and_bound():
     phi = v.loc["phi35moe"]
     assert phi.projection_verdict == "fastest" and phi.specter_tpot_ms == 120.0 and phi.rival_tpot_ms == 130.0
     assert phi.projection_bound == "bound not recorded"
+    # the projection's acceptance is accepted / drafted: worded like the CPU's accepted fraction, with its K
+    assert "Specter 120.00 ms, 18.00 loads/token, accepted 0.90 of K=16 profiled, M+S 8+4" in phi.projection_reason
     qwen = v.loc["qwen15moe"]
     assert qwen.projection_verdict == "slower than mo_sm, other"
     assert qwen.projection_bound == "cannot be won by residency"

@@ -9,14 +9,15 @@ CPU         from the records (the tiny proxy on the calibrated emulated link): S
               fastest            the CI lies above 1 against every rival
               not demonstrated   no CI below 1, but at least one holds 1 (those rivals are named)
               slower than X      the CI lies below 1 against X
-            Reason: Specter's expert loads per token (H2D bytes / one expert's bytes / new tokens), acceptance
-            and K, and slots (M+S: resident experts per layer + staging buffers) beside the same numbers of the
-            closest rival (the lowest paired speedup).
+            Reason: Specter's expert loads per token (H2D bytes / one expert's bytes / new tokens), accepted
+            fraction of K (accepted / drafted tokens, the quantity the projection calls acceptance) with α
+            beside it, and slots (M+S: resident experts per layer + staging buffers) beside the same numbers
+            of the closest rival (the lowest paired speedup).
 projection  from projection.csv (`python run.py experiment=project`, the real model on the paper's A100; found
             as `specter.figures.projection.projections` finds it): Specter's profiled-K row (its only row when
             no K was profiled) against each rival's best row (lowest projected TPOT over its K rows). A
             projection is deterministic: there is no interval, only faster or not. Reason: TPOT, loads per
-            token, acceptance, M+S of Specter and of the fastest rival, the paper's TPOT of that rival where
+            token, accepted fraction of K, M+S of Specter and of the fastest rival, the paper's TPOT of that rival where
             published, and what Specter's Belady bound (`specter_belady_loads_per_token`: the fewest loads per
             token any residency policy could reach at Specter's slots and windows) says: a floor of bound x
             one expert's H2D at or above the rival's TPOT means the cell cannot be won by residency.
@@ -87,7 +88,7 @@ def method_facts(records: pd.DataFrame, method: str, one_expert: float) -> dict:
     unflagged records in a cell."""
     r = records[records["variant"] == method]
     facts = {"loads_per_token": float("nan"), "h2d_mb_per_token": float("nan"), "acceptance": float("nan"),
-             "K": float("nan"), "slots": "n/a"}
+             "accepted": float("nan"), "K": float("nan"), "slots": "n/a"}
     if r.empty:
         return facts
     if {"h2d_bytes", "new_tokens"} <= set(r.columns):
@@ -98,7 +99,7 @@ def method_facts(records: pd.DataFrame, method: str, one_expert: float) -> dict:
             facts["h2d_mb_per_token"] = float(per_prompt.median()) / 1e6
             if one_expert > 0:
                 facts["loads_per_token"] = float(per_prompt.median()) / one_expert
-    for col, key in (("acceptance_alpha", "acceptance"), ("K", "K")):
+    for col, key in (("acceptance_alpha", "acceptance"), ("accepted_fraction", "accepted"), ("K", "K")):
         if col in r.columns:
             v = pd.to_numeric(r[col], errors="coerce").dropna()
             if len(v):
@@ -113,8 +114,13 @@ def method_facts(records: pd.DataFrame, method: str, one_expert: float) -> dict:
 
 def _facts_text(name: str, f: dict) -> str:
     spec = ""
-    if not math.isnan(f["acceptance"]):
-        spec = f", acceptance {f['acceptance']:.2f}" + (f" at K={int(f['K'])}" if not math.isnan(f["K"]) else "")
+    k = f"K={int(f['K'])}" if not math.isnan(f["K"]) else "K"
+    if not math.isnan(f.get("accepted", float("nan"))):  # the projection's acceptance: accepted / drafted
+        spec = f", accepted {f['accepted']:.2f} of {k}"
+        if not math.isnan(f["acceptance"]):
+            spec += f" (α {f['acceptance']:.2f})"
+    elif not math.isnan(f["acceptance"]):
+        spec = f", α {f['acceptance']:.2f}" + (f" at {k}" if k != "K" else "")
     io = (f"{f['loads_per_token']:.2f} loads/token" if not math.isnan(f["loads_per_token"]) else
           f"H2D {f['h2d_mb_per_token']:.3g} MB/token (one expert's bytes not recorded)"
           if not math.isnan(f["h2d_mb_per_token"]) else "loads/token not recorded")
@@ -202,9 +208,12 @@ def h2d_ms(cell: pd.DataFrame) -> float:
 def _row_text(name: str, row) -> str:
     acc = _acceptance(row)
     K = str(row.get("K", "")).strip().removesuffix(".0")  # pandas reads a column with blanks as floats
-    k = f" at K={K}{' ' + str(row.get('k_source')) if str(row.get('k_source', '')) else ''}" if K not in ("", "nan") else ""
+    src = f" {row.get('k_source')}" if str(row.get("k_source", "")) not in ("", "nan") else ""
+    k = f"K={K}{src}" if K not in ("", "nan") else ""
+    # the projection's acceptance is accepted / drafted tokens: the same quantity as the CPU's accepted_fraction
+    acc_text = f", accepted {acc:.2f} of {k or 'K'}" if not math.isnan(acc) else (f" at {k}" if k else "")
     return (f"{name} {_fmt(row['tpot_ms'])} ms, {_fmt(row.get('loads_per_token'))} loads/token"
-            + (f", acceptance {acc:.2f}" if not math.isnan(acc) else "") + f"{k}, M+S {_slots(row)}")
+            + acc_text + f", M+S {_slots(row)}")
 
 
 def bound_text(spec, best, cell: pd.DataFrame) -> tuple[str, str]:
