@@ -170,8 +170,12 @@ def test_specter_home_pointing_at_a_file(no_model, tmp_path, capsys, monkeypatch
 def _signal_once_started(args: list[str], sig: int, started: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     """Run `python run.py args`, send `sig` once `started` exists (the run folder is open)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
+    # A shell runs a background job (`pytest ... &`, as CI scripts may) with SIGINT ignored, and a child
+    # inherits that: Python then keeps Ctrl-C ignored, as a user who started it so intended. The run is
+    # started with SIGINT at its default, so Python turns it into KeyboardInterrupt whoever runs the test.
     proc = subprocess.Popen([sys.executable, str(REPO / "run.py"), *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
