@@ -1,0 +1,83 @@
+"""scripts/bench_window_levers.py: windows rebuilt from a record's forwards, the post-verify drafting bound,
+and the draft-confidence tables, on hand-made inputs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as F
+
+import pytest
+
+from scripts.bench_window_levers import Positions, Window, hideable, parse_cell, probe, record_windows, threshold_rows
+
+
+def forwards(*spec):
+    """("t"|"d", end) pairs -> forward records."""
+    return [F(kind="target" if k == "t" else "draft", end=e) for k, e in spec]
+
+
+def test_windows_from_forwards_skip_the_prefill_and_plain_steps():
+    fw = forwards(("t", 1.0), ("d", 1.1), ("d", 1.2), ("t", 2.0), ("d", 2.1), ("t", 2.5), ("t", 2.7))
+    ws = record_windows(fw, drafted=[2, 1], accepted=[2, 0], K=2)
+    assert ws == [Window(1.0, 1.2, 2.0, 2, 2, 2), Window(2.0, 2.1, 2.5, 1, 0, 2)]  # the last target: a plain step
+    assert ws[0].full and not ws[1].full
+
+
+def test_hideable_is_the_next_draft_after_a_full_window_capped_by_the_verification():
+    full = Window(0.0, 1.0, 1.5, 4, 4, 4)  # verification 0.5 s
+    nxt = Window(1.5, 2.5, 3.0, 4, 1, 4)  # draft 1.0 s: only 0.5 s can hide
+    short = Window(3.0, 3.2, 4.0, 3, 3, 4)  # fully accepted but shorter than K (the record's tail): not full
+    last = Window(4.0, 4.1, 5.0, 4, 0, 4)
+    assert hideable([full, nxt]) == pytest.approx(0.5)
+    assert hideable([nxt, full]) == 0.0  # nothing follows the full window
+    assert hideable([full, nxt, short, last]) == pytest.approx(0.5)
+    long_verify = Window(0.0, 1.0, 3.0, 4, 4, 4)
+    assert hideable([long_verify, Window(3.0, 3.25, 4.0, 4, 2, 4)]) == pytest.approx(0.25)
+
+
+def test_threshold_rows_count_flags_and_caught_rejections():
+    rows = [(0.0001, False), (0.0001, True), (0.003, True), (0.003, False), (0.5, True), (0.9, True)]
+    out = {r["margin_below"]: r for r in threshold_rows("m", rows)}
+    assert out[0.0005]["flagged_share"] == pytest.approx(2 / 6, abs=1e-4)
+    assert out[0.0005]["rejections_caught"] == 1 and out[0.0005]["reject_rate_flagged"] == 0.5
+    assert out[0.005]["rejections_caught"] == 2 and out[0.005]["reject_rate_flagged"] == 0.5
+    assert out[0.05]["base_reject_rate"] == pytest.approx(2 / 6, abs=1e-4)
+
+
+def test_positions_keep_the_accepted_prefix_and_the_first_rejection():
+    import torch
+
+    pos = Positions()
+    for step in range(3):  # two requests, three draft steps
+        logits = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row 0 confident, row 1 flat (margin 0)
+        pos.drafted(logits)
+    pos.verified(accepted=[3, 1], limits=[3, 3])
+    assert [ok for _, ok in pos.rows] == [True, True, True, True, False]
+    assert pos.rows[-1][0] == pytest.approx(0.0)
+    assert pos._margins == []
+
+
+def test_probe_reports_without_changing_the_engine():
+    class Engine:
+        def _draft_sample(self, logits, step, limits):
+            return "tokens"
+
+        def _accept(self, drafts, q, target_logits, limits):
+            return [1], ["t"]
+
+    import torch
+
+    eng, pos = Engine(), Positions()
+    probe(eng, pos)
+    assert isinstance(eng, Engine)
+    assert eng._draft_sample(torch.tensor([[1.0, 0.0]]), 1, [1]) == "tokens"
+    assert eng._accept(None, None, None, [1]) == ([1], ["t"])
+    assert [ok for _, ok in pos.rows] == [True]
+
+
+@pytest.mark.parametrize("bad", ["dsv2:high", "dsv2:mid:16", "dsv2:high:0", "dsv2:high:x"])
+def test_parse_cell_rejects_bad_cells(bad):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_cell(bad)
+    assert parse_cell("dsv2:low:16,48") == ("dsv2", "low", [16, 48])
