@@ -221,11 +221,10 @@ def confidence_model(model: str, num_prompts: int, new_tokens: int, K: int | Non
 
 
 def write(rows: list[dict], path: Path) -> None:
+    import pandas as pd
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    pd.DataFrame(rows).to_csv(path, index=False)
     print(f"wrote {path}")
 
 
