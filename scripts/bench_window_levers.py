@@ -13,6 +13,11 @@ upper bound on the TPOT the lever reaches: it assumes the bonus token always mat
 continuation and that verification leaves the compute stream free. The fastest lossless rival comes from
 the reference set's projection (results/reference/project/).
 
+The same run gives Specter's *floor* at its slots (``floor_ms``): the least TPOT any residency and prefetch
+policy could reach with these windows (the same draft, K and acceptance). At the end of a window's draft at
+most M + the staging buffers of the experts a layer's verification routes to are on the device; the rest load
+after it, one H2D each on one copy stream. Above a rival's TPOT it proves that cell lost at Specter's slots.
+
 ``confidence``: stop drafting where the draft is unsure. On the CPU proxies (the trained proxy, its
 calibrated GPTQ draft, greedy), at every drafted position up to the first rejection: the draft's margin
 (top-1 minus top-2 probability) and whether the target accepted it. Per margin threshold: the share of
@@ -53,20 +58,30 @@ class Window:
 
 
 def record_windows(forwards, drafted: list[int], accepted: list[int], K: int) -> list[Window]:
-    """A record's windows from its forwards (``kind``, ``end``; the prefill's target forward first) and the
-    engine's per-window drafted / accepted counts. A target forward with no draft before it is a plain step."""
+    """A record's verification passes from its forwards (``kind``, ``end``; the prefill's target forward first)
+    and the engine's per-window drafted / accepted counts, one per target forward after the prefill (its
+    route-log window): a target forward with no draft before it is a plain step (drafted 0, no draft phase)."""
     out, start, draft_end = [], None, None
     counts = iter(zip(drafted, accepted))
     for f in forwards:
         if f.kind == "draft":
             draft_end = f.end
-        elif start is None or draft_end is None:
-            start, draft_end = f.end, None  # the prefill, or a plain target step: no window
-        else:
-            d, a = next(counts)
-            out.append(Window(start, draft_end, f.end, d, a, K))
-            start, draft_end = f.end, None
+            continue
+        if start is not None:  # not the prefill
+            d, a = next(counts) if draft_end is not None else (0, 0)
+            out.append(Window(start, start if draft_end is None else draft_end, f.end, d, a, K))
+        start, draft_end = f.end, None
     return out
+
+
+def pass_floor(window: Window, routes: dict[int, set[int]], M: int, blocks: dict[int, int], staging: int,
+               h2d: float) -> float:
+    """The least time a verification pass (with its draft phase) can take at M slots per layer, whatever the
+    residency and prefetch policy: at the end of the draft at most M + the staging buffers of the experts each
+    layer's pass routes to are on the device, the rest load after it, one H2D each on one copy stream. Per
+    tiny layer, ``blocks`` real layers; ``staging`` in real experts over all layers."""
+    short = sum(blocks[layer] * max(0, len(experts) - M) for layer, experts in routes.items())
+    return (window.draft_end - window.start) + h2d * max(0, short - staging)
 
 
 def hideable(windows: list[Window]) -> float:
@@ -90,7 +105,7 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
     from specter.assembly.compose import compose
     from specter.experiments.project import method_slots, real_and_proxy
     from specter.projection.cost_model import cost_model
-    from specter.projection.engine_run import close, open_method
+    from specter.projection.engine_run import close, decode_routes, open_method
     from specter.projection.steps import Proxy
 
     cfg = compose(["experiment=project", f"model={real}", f"memory={tier}", f"project.device={device}"])
@@ -108,8 +123,10 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
             method.reset()
             method.generate(prompts[0], int(p.warmup_tokens), gen)  # warm-up, as the projection does
             method.warmed()
-            decode = hidden = draft = 0.0
+            decode = hidden = draft = floor = 0.0
             steps = n = full = 0
+            M, blocks = slots["specter"][0], machine.block
+            staging = method.rt.cache.staging * max(blocks.values())  # a proxy buffer holds a block's experts
             for prompt in prompts:
                 method.reset()
                 machine.clock.sync()
@@ -122,7 +139,11 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
                 decode += ends[-1] - ends[0]
                 steps += len(out.tokens) - 1
                 hidden += hideable(windows)
-                n += len(windows)
+                routes = decode_routes(method)
+                if len(routes) != len(windows):
+                    raise RuntimeError(f"{len(windows)} passes on the clock, {len(routes)} in the route log")
+                floor += sum(pass_floor(w, r, M, blocks, staging, cm.h2d()) for w, r in zip(windows, routes))
+                n += sum(w.drafted > 0 for w in windows)
                 full += sum(w.full for w in windows)
                 draft += sum(w.draft_end - w.start for w in windows)
             tpot = decode / steps
@@ -130,10 +151,11 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
                          "full_windows": full, "tpot_ms": round(tpot * 1e3, 2),
                          "hideable_share": round(hidden / decode, 4),
                          "tpot_bound_ms": round((decode - hidden) / steps * 1e3, 2),
-                         "draft_share": round(draft / decode, 3),
+                         "draft_share": round(draft / decode, 3), "floor_ms": round(floor / steps * 1e3, 2),
                          "fastest_rival": rival[0] if rival else "", "rival_tpot_ms": rival[1] if rival else ""})
             print(f"  {real_name} {tier} K={K}: TPOT {tpot * 1e3:.1f} ms, {full}/{n} windows fully accepted, "
-                  f"post-verify drafting hides <= {hidden / decode:.1%} -> >= {rows[-1]['tpot_bound_ms']} ms"
+                  f"post-verify drafting hides <= {hidden / decode:.1%} -> >= {rows[-1]['tpot_bound_ms']} ms; "
+                  f"floor at M={M}: {rows[-1]['floor_ms']} ms"
                   + (f" (fastest rival {rival[0]} {rival[1]} ms)" if rival else ""), flush=True)
         finally:
             close(session)
@@ -243,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="lever", required=True)
-    pv = sub.add_parser("post-verify", help="the projection's windows: what drafting during verification could hide")
+    pv = sub.add_parser("post-verify", help="the projection's windows: what drafting during verification could hide; Specter's floor")
     pv.add_argument("--cells", nargs="+", type=parse_cell, required=True, help="model:tier:K[,K...] (a real model)")
     pv.add_argument("--device", default="a100_40gb_pcie4", help="a device file of specter/projection/devices/")
     pv.add_argument("--csv", type=Path, default=REPO / "results" / "window_levers" / "post_verify.csv")

@@ -7,7 +7,8 @@ from types import SimpleNamespace as F
 
 import pytest
 
-from scripts.bench_window_levers import Positions, Window, hideable, parse_cell, probe, record_windows, threshold_rows
+from scripts.bench_window_levers import (Positions, Window, hideable, parse_cell, pass_floor, probe, record_windows,
+                                        threshold_rows)
 
 
 def forwards(*spec):
@@ -15,11 +16,23 @@ def forwards(*spec):
     return [F(kind="target" if k == "t" else "draft", end=e) for k, e in spec]
 
 
-def test_windows_from_forwards_skip_the_prefill_and_plain_steps():
+def test_passes_from_forwards_skip_the_prefill_and_keep_plain_steps():
     fw = forwards(("t", 1.0), ("d", 1.1), ("d", 1.2), ("t", 2.0), ("d", 2.1), ("t", 2.5), ("t", 2.7))
     ws = record_windows(fw, drafted=[2, 1], accepted=[2, 0], K=2)
-    assert ws == [Window(1.0, 1.2, 2.0, 2, 2, 2), Window(2.0, 2.1, 2.5, 1, 0, 2)]  # the last target: a plain step
-    assert ws[0].full and not ws[1].full
+    assert ws == [Window(1.0, 1.2, 2.0, 2, 2, 2), Window(2.0, 2.1, 2.5, 1, 0, 2),
+                  Window(2.5, 2.5, 2.7, 0, 0, 2)]  # the last target forward: a plain step, no draft phase
+    assert ws[0].full and not ws[1].full and not ws[2].full
+    assert hideable(ws) == pytest.approx(0.1)  # the full window hides the next draft phase (0.1 s)
+
+
+def test_pass_floor_counts_what_cannot_be_on_the_device_when_the_draft_ends():
+    w = Window(0.0, 0.25, 1.0, 4, 2, 4)
+    blocks = {0: 2, 1: 1}  # tiny layer 0 stands for 2 real layers
+    routes = {0: {1, 2, 3, 4, 5}, 1: {1, 2}}  # M = 3: layer 0 is 2 short (x 2 real layers), layer 1 fits
+    assert pass_floor(w, routes, 3, blocks, staging=0, h2d=0.1) == pytest.approx(0.25 + 0.4)
+    assert pass_floor(w, routes, 3, blocks, staging=3, h2d=0.1) == pytest.approx(0.25 + 0.1)
+    assert pass_floor(w, routes, 3, blocks, staging=9, h2d=0.1) == pytest.approx(0.25)  # never below the draft
+    assert pass_floor(w, routes, 5, blocks, staging=0, h2d=0.1) == pytest.approx(0.25)
 
 
 def test_hideable_is_the_next_draft_after_a_full_window_capped_by_the_verification():
