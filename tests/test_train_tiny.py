@@ -117,12 +117,18 @@ def test_built_trained_models_match_their_pinned_digest(name):
     assert tiny_train.trained_problem(out) is None
 
 
+def _check(name, model, tokenizer):  # stands in for specter.routing_stats.held_out_routing
+    raise AssertionError("the fake training runs never call it")
+
+
 def _fake_runs(monkeypatch, tmp_path, passes: list[bool]) -> list[int]:
-    """`train` over fake training runs whose gates pass as listed; returns the step counts it ran."""
+    """`train` over fake training runs whose gates pass as listed; returns the step counts it ran.
+    Every run must be handed the routing check `train` was given (a retry once got the last report instead)."""
     runs: list[int] = []
     monkeypatch.setattr(tiny, "ensure_tiny", lambda name, root=None: tmp_path / "random")
 
     def once(name, steps, seed, src, out, progress, balance, routing):
+        assert routing is _check, f"try {len(runs) + 1} got {routing!r} as its routing check"
         runs.append(steps)
         tmp = out.with_name(out.name + ".partial")
         tmp.mkdir(parents=True, exist_ok=True)
@@ -140,7 +146,7 @@ def _fake_runs(monkeypatch, tmp_path, passes: list[bool]) -> list[int]:
 
 def test_a_default_training_missing_its_gates_is_run_again_for_longer(monkeypatch, tmp_path):
     runs = _fake_runs(monkeypatch, tmp_path, [False, True])
-    out = tiny_train.train(NAME, root=tmp_path, log=lambda msg: None)
+    out = tiny_train.train(NAME, root=tmp_path, log=lambda msg: None, routing=_check)
     n = tiny_train.DEFAULT_STEPS[NAME]
     assert runs == [n, round(n * tiny_train.LONGER[0])] and (out / "steps").read_text() == str(runs[-1])
 
@@ -148,11 +154,11 @@ def test_a_default_training_missing_its_gates_is_run_again_for_longer(monkeypatc
 def test_a_training_missing_its_gates_on_every_try_is_rejected(monkeypatch, tmp_path):
     runs = _fake_runs(monkeypatch, tmp_path, [False] * 3)
     with pytest.raises(tiny_train.TrainingRejected, match="repeat_within_4 after"):
-        tiny_train.train(NAME, root=tmp_path, log=lambda msg: None)
+        tiny_train.train(NAME, root=tmp_path, log=lambda msg: None, routing=_check)
     assert len(runs) == 1 + len(tiny_train.LONGER)
     out = tiny.tiny_dir(NAME, trained=True, root=tmp_path)
     assert not out.exists() and out.with_name(out.name + ".rejected").is_dir()
     runs.clear()
     with pytest.raises(tiny_train.TrainingRejected):  # explicit steps: one try
-        tiny_train.train(NAME, steps=7, root=tmp_path, log=lambda msg: None)
+        tiny_train.train(NAME, steps=7, root=tmp_path, log=lambda msg: None, routing=_check)
     assert runs == [7]

@@ -147,11 +147,11 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
         if not missed:
             tiny.replace_dir(tmp, out)
             return out
-        routing = report["routing"]
+        got = report["routing"]  # the report's numbers; `routing` stays the check the next try calls
         summary = (f"{missed} after {n} steps: loss {report['loss_last_25']:.2f}, repeat-within-4 "
-                   f"{report['greedy_after']['repeat_within_4']:.2f}, dead experts per layer {routing['dead_experts']}, "
-                   f"usage entropy {min(routing['usage_entropy']):.2f}, one window "
-                   f"{min(routing['window_vs_independent']):.2f} of independent routing")
+                   f"{report['greedy_after']['repeat_within_4']:.2f}, dead experts per layer {got['dead_experts']}, "
+                   f"usage entropy {min(got['usage_entropy']):.2f}, one window "
+                   f"{min(got['window_vs_independent']):.2f} of independent routing")
         if i + 1 < len(tries):
             log(f"note: trained {name} missed its quality gates ({summary}); training again for {tries[i + 1]} steps")
     rejected = out.with_name(out.name + ".rejected")
