@@ -17,6 +17,10 @@ The same run gives Specter's *floor* at its slots (``floor_ms``): the least TPOT
 policy could reach with these windows (the same draft, K and acceptance). At the end of a window's draft at
 most M + the staging buffers of the experts a layer's verification routes to are on the device; the rest load
 after it, one H2D each on one copy stream. Above a rival's TPOT it proves that cell lost at Specter's slots.
+Specter's TPOT above the floor splits exactly in two: ``excess_copy_ms``, copying after the draft beyond the
+floor's loads (a residency or prefetch shortfall), and ``idle_after_draft_ms``, time after the draft with the copy
+stream idle (compute no load was left to hide behind, or a copy waiting on a slot). ``draft_copy_idle_share`` is
+the share of the draft phase with the copy stream idle: prefetch capacity left unused.
 
 ``confidence``: stop drafting where the draft is unsure. On the CPU proxies (the trained proxy, its
 calibrated GPTQ draft, greedy), at every drafted position up to the first rejection: the draft's margin
@@ -84,6 +88,13 @@ def pass_floor(window: Window, routes: dict[int, set[int]], M: int, blocks: dict
     return (window.draft_end - window.start) + h2d * max(0, short - staging)
 
 
+def above_floor(window: Window, floor: float, copy_after: float) -> tuple[float, float]:
+    """A pass's time above its floor (``pass_floor``), split: the copy stream's busy time after the draft beyond the
+    floor's loads, and the time after the draft with the copy stream idle. The two sum to pass time - floor."""
+    floor_loads = floor - (window.draft_end - window.start)
+    return copy_after - floor_loads, (window.end - window.draft_end) - copy_after
+
+
 def hideable(windows: list[Window]) -> float:
     """Seconds post-verify drafting could hide: after a fully accepted window, the next window's draft
     phase, up to the accepted window's verification."""
@@ -104,6 +115,7 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
 
     from specter.assembly.compose import compose
     from specter.experiments.project import method_slots, real_and_proxy
+    from specter.models.tiny_train import estimated_minutes
     from specter.projection.cost_model import cost_model
     from specter.projection.engine_run import close, decode_routes, open_method
     from specter.projection.steps import Proxy
@@ -112,6 +124,10 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
     real_name, proxy, _ = real_and_proxy(cfg)
     slots, K0 = method_slots(cfg, real_name)
     px, cm, p = Proxy(cfg, proxy, slots, K0, real_name), cost_model(real_name, device), cfg.project
+    if not px.trained:  # the projection falls back to the untrained proxy, which accepts and routes unlike the real model
+        raise SystemExit(f"{proxy} is not trained here, and the reference projection ran on the trained one: "
+                         f"python -m initialization.train_tiny {proxy} (deterministic, about "
+                         f"{estimated_minutes(proxy):.0f} CPU minutes) first")
     prompts = px.prompts(0, int(p.prompts))
     rival = fastest_rival(real_name, tier, cm.d.name)
     rows = []
@@ -123,7 +139,7 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
             method.reset()
             method.generate(prompts[0], int(p.warmup_tokens), gen)  # warm-up, as the projection does
             method.warmed()
-            decode = hidden = draft = floor = 0.0
+            decode = hidden = draft = floor = excess = idle = draft_idle = 0.0
             steps = n = full = 0
             M, blocks = slots["specter"][0], machine.block
             staging = method.rt.cache.staging * max(blocks.values())  # a proxy buffer holds a block's experts
@@ -142,7 +158,11 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
                 routes = decode_routes(method)
                 if len(routes) != len(windows):
                     raise RuntimeError(f"{len(windows)} passes on the clock, {len(routes)} in the route log")
-                floor += sum(pass_floor(w, r, M, blocks, staging, cm.h2d()) for w, r in zip(windows, routes))
+                for w, r in zip(windows, routes):
+                    f = pass_floor(w, r, M, blocks, staging, cm.h2d())
+                    e, i = above_floor(w, f, machine.copy_busy(w.draft_end, w.end))
+                    floor, excess, idle = floor + f, excess + e, idle + i
+                    draft_idle += (w.draft_end - w.start) - machine.copy_busy(w.start, w.draft_end)
                 n += sum(w.drafted > 0 for w in windows)
                 full += sum(w.full for w in windows)
                 draft += sum(w.draft_end - w.start for w in windows)
@@ -152,10 +172,14 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
                          "hideable_share": round(hidden / decode, 4),
                          "tpot_bound_ms": round((decode - hidden) / steps * 1e3, 2),
                          "draft_share": round(draft / decode, 3), "floor_ms": round(floor / steps * 1e3, 2),
+                         "excess_copy_ms": round(excess / steps * 1e3, 2),
+                         "idle_after_draft_ms": round(idle / steps * 1e3, 2),
+                         "draft_copy_idle_share": round(draft_idle / draft, 3) if draft else 0.0,
                          "fastest_rival": rival[0] if rival else "", "rival_tpot_ms": rival[1] if rival else ""})
             print(f"  {real_name} {tier} K={K}: TPOT {tpot * 1e3:.1f} ms, {full}/{n} windows fully accepted, "
                   f"post-verify drafting hides <= {hidden / decode:.1%} -> >= {rows[-1]['tpot_bound_ms']} ms; "
-                  f"floor at M={M}: {rows[-1]['floor_ms']} ms"
+                  f"floor at M={M}: {rows[-1]['floor_ms']} ms (+{rows[-1]['excess_copy_ms']} copying, "
+                  f"+{rows[-1]['idle_after_draft_ms']} copy-idle after the draft)"
                   + (f" (fastest rival {rival[0]} {rival[1]} ms)" if rival else ""), flush=True)
         finally:
             close(session)

@@ -7,8 +7,8 @@ from types import SimpleNamespace as F
 
 import pytest
 
-from scripts.bench_window_levers import (Positions, Window, hideable, parse_cell, pass_floor, probe, record_windows,
-                                        threshold_rows)
+from scripts.bench_window_levers import (Positions, Window, above_floor, hideable, parse_cell, pass_floor, probe,
+                                        record_windows, threshold_rows)
 
 
 def forwards(*spec):
@@ -33,6 +33,14 @@ def test_pass_floor_counts_what_cannot_be_on_the_device_when_the_draft_ends():
     assert pass_floor(w, routes, 3, blocks, staging=3, h2d=0.1) == pytest.approx(0.25 + 0.1)
     assert pass_floor(w, routes, 3, blocks, staging=9, h2d=0.1) == pytest.approx(0.25)  # never below the draft
     assert pass_floor(w, routes, 5, blocks, staging=0, h2d=0.1) == pytest.approx(0.25)
+
+
+def test_time_above_the_floor_splits_into_extra_copying_and_copy_idle():
+    w = Window(0.0, 0.25, 1.0, 4, 2, 4)  # draft 0.25 s, verification 0.75 s
+    floor = 0.25 + 0.4  # 4 loads of 0.1 s cannot be made before the draft ends
+    extra, idle = above_floor(w, floor, copy_after=0.6)  # 6 loads after the draft: 2 beyond the floor's
+    assert extra == pytest.approx(0.2) and idle == pytest.approx(0.15)
+    assert floor + extra + idle == pytest.approx(w.end - w.start)
 
 
 def test_hideable_is_the_next_draft_after_a_full_window_capped_by_the_verification():
