@@ -142,7 +142,8 @@ def train(name: str, steps: int | None = None, root: Path | None = None, progres
         pinned = report["pinned_sha256"]
         if pinned and pinned != report["weights_sha256"]:
             log(f"note: trained {name} differs from the pinned weights (sha256 {report['weights_sha256'][:12]} vs "
-                f"{pinned[:12]}); expected only with a different torch version or CPU kind")
+                f"{pinned[:12]}); expected with another torch version or another CPU, even one of the same kernel "
+                f"family ({tiny.cpu_kind()}): the pins were made on one machine")
         missed = ", ".join(k for k, ok in report["gates"]["passed"].items() if not ok)
         if not missed:
             tiny.replace_dir(tmp, out)
