@@ -126,8 +126,8 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
     px, cm, p = Proxy(cfg, proxy, slots, K0, real_name), cost_model(real_name, device), cfg.project
     if not px.trained:  # the projection falls back to the untrained proxy, which accepts and routes unlike the real model
         raise SystemExit(f"{proxy} is not trained here, and the reference projection ran on the trained one: "
-                         f"python -m initialization.train_tiny {proxy} (deterministic, about "
-                         f"{estimated_minutes(proxy):.0f} CPU minutes) first")
+                         f"python -m initialization.train_tiny {proxy} (about {estimated_minutes(proxy):.0f} CPU minutes; "
+                         f"on another CPU it can train to other weights than the reference's) first")
     prompts = px.prompts(0, int(p.prompts))
     rival = fastest_rival(real_name, tier, cm.d.name)
     rows = []
