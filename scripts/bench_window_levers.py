@@ -1,4 +1,4 @@
-"""Two window levers, measured before building them: what could each buy Specter?
+"""Window levers, measured before building them: what could each buy Specter?
 
 At the dsv2 tiers of the A100 projection Specter's copy stream idles while the draft runs (the draft phase is
 memory-bound: a prefetch needs a slot whose resident the window does not use). Two lossless changes would
@@ -22,12 +22,19 @@ floor's loads (a residency or prefetch shortfall), and ``idle_after_draft_ms``, 
 stream idle (compute no load was left to hide behind, or a copy waiting on a slot). ``draft_copy_idle_share`` is
 the share of the draft phase with the copy stream idle: prefetch capacity left unused.
 
+``lookahead``: how far ahead must residency see to reach the Belady bound? On the projection's verified routes
+(``--cells``) or a CPU run folder's route log (``--traces``), the oracle's own rule (`predict/oracle.py`) limited
+to a horizon: at each window it knows that window and the next L, and beyond them evicts the least recently
+used resident. L = 0 is what a verification pass knows; with the whole trace in view it is the bound. Beside
+each ratio, Specter's own loads over the same bound.
+
 ``confidence``: stop drafting where the draft is unsure. On the CPU proxies (the trained proxy, its
 calibrated GPTQ draft, greedy), at every drafted position up to the first rejection: the draft's margin
 (top-1 minus top-2 probability) and whether the target accepted it. Per margin threshold: the share of
 positions a stop rule would flag, the rejections it would catch, and P(rejected | flagged).
 
     python scripts/bench_window_levers.py post-verify --cells dsv2:high:16,32,48 dsv2:low:48,96 qwen15moe:high:8,24
+    python scripts/bench_window_levers.py lookahead --cells qwen15moe:high:8,16 --traces results/reference/trace/*
     python scripts/bench_window_levers.py confidence --models tiny_dsv2 tiny_qwen tiny_phi --num-prompts 6
 """
 
@@ -110,25 +117,45 @@ def fastest_rival(real: str, tier: str, device: str) -> tuple[str, float] | None
     return None if best is None else (best["method"], float(best["tpot_ms"]))
 
 
-def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[dict]:
-    import torch
+@dataclass
+class Cell:
+    """A projected cell as `experiment=project` builds it: its config, the trained proxy, the device's cost model,
+    the held-out prompts and each method's (M, K)."""
 
+    cfg: object
+    real: str
+    px: object
+    cm: object
+    prompts: list
+    slots: dict
+
+
+def projected_cell(real: str, tier: str, device: str) -> Cell:
     from specter.assembly.compose import compose
     from specter.experiments.project import method_slots, real_and_proxy
     from specter.models.tiny_train import estimated_minutes
     from specter.projection.cost_model import cost_model
-    from specter.projection.engine_run import close, decode_routes, open_method
     from specter.projection.steps import Proxy
 
     cfg = compose(["experiment=project", f"model={real}", f"memory={tier}", f"project.device={device}"])
     real_name, proxy, _ = real_and_proxy(cfg)
     slots, K0 = method_slots(cfg, real_name)
-    px, cm, p = Proxy(cfg, proxy, slots, K0, real_name), cost_model(real_name, device), cfg.project
+    px = Proxy(cfg, proxy, slots, K0, real_name)
     if not px.trained:  # the projection falls back to the untrained proxy, which accepts and routes unlike the real model
         raise SystemExit(f"{proxy} is not trained here, and the reference projection ran on the trained one: "
                          f"python -m initialization.train_tiny {proxy} (about {estimated_minutes(proxy):.0f} CPU minutes; "
                          f"on another CPU it can train to other weights than the reference's) first")
-    prompts = px.prompts(0, int(p.prompts))
+    return Cell(cfg, real_name, px, cost_model(real_name, device), px.prompts(0, int(cfg.project.prompts)), slots)
+
+
+def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[dict]:
+    import torch
+
+    from specter.projection.engine_run import close, decode_routes, open_method
+
+    cell = projected_cell(real, tier, device)
+    cfg, real_name, px, cm, p, prompts, slots = (cell.cfg, cell.real, cell.px, cell.cm, cell.cfg.project, cell.prompts,
+                                                 cell.slots)
     rival = fastest_rival(real_name, tier, cm.d.name)
     rows = []
     for K in Ks:
@@ -183,6 +210,159 @@ def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[d
                   + (f" (fastest rival {rival[0]} {rival[1]} ms)" if rival else ""), flush=True)
         finally:
             close(session)
+    return rows
+
+
+# -- residency lookahead ---------------------------------------------------------------------------
+def horizon_loads(windows: list[set[int]], capacity: int, initial: frozenset[int] | set[int] = frozenset(),
+                  L: int | None = None) -> int:
+    """Loads of one layer under the Belady rule limited to a horizon: at window t the policy knows the routes of
+    windows t .. t + L (None: the whole trace) and nothing after. Inside that horizon it is the oracle's own
+    construction (`specter.predict.oracle.min_loads`: each window serves its hits first, then its misses
+    furthest-next-request first; a load evicts the resident whose next request is furthest); residents with no
+    request in the horizon go least recently used first. With the whole trace in view it is the Belady bound."""
+    cache = {e: -1 for e in initial}  # resident -> the last window that used it
+    loads = 0
+    for t, need in enumerate(windows):
+        seen = windows[t:] if L is None else windows[t:t + L + 1]
+        # Backward over the horizon: a request's rank counts from its end (larger = sooner); `after` is each
+        # expert's next request after window t, `order` window t's serving order.
+        nxt: dict[int, int] = {}
+        after: dict[int, int] = {}
+        order: list[int] = []
+        rank = 0
+        for s in range(len(seen) - 1, -1, -1):
+            after = dict(nxt)
+            order = sorted(seen[s], key=lambda e: (nxt.get(e, -1), e))
+            for e in reversed(order):
+                rank += 1
+                nxt[e] = rank
+        for e in need:
+            if e in cache:
+                cache[e] = t
+        for e in [e for e in order if e not in cache]:  # hits were served first
+            loads += 1
+            if len(cache) >= capacity:
+                del cache[min(cache, key=lambda r: (after.get(r, -1), cache[r], r))]
+            cache[e] = t
+    return loads
+
+
+def record_horizons(routes: list[dict[int, set[int]]], capacity: dict[int, int], start: dict[int, set[int]],
+                    blocks: dict[int, int], horizons: list[int | None]) -> dict[int | None, int]:
+    """Real expert loads of a decode's verified routes under each horizon (`horizon_loads`), per tiny layer from the
+    residents the prefill left, each tiny layer standing for its block's real layers (as `decode_bound` counts)."""
+    out = {}
+    for L in horizons:
+        out[L] = 0
+        for layer, m in capacity.items():
+            first = frozenset(start.get(layer, ()))
+            out[L] += blocks[layer] * horizon_loads([w.get(layer, set()) for w in routes], max(m, len(first)), first, L)
+    return out
+
+
+def lookahead_cell(real: str, tier: str, Ks: list[int], device: str, horizons: list[int]) -> list[dict]:
+    import torch
+
+    from specter.projection.engine_run import close, decode_routes, open_method
+
+    cell = projected_cell(real, tier, device)
+    p = cell.cfg.project
+    levels: list[int | None] = [*horizons, None]
+    rows = []
+    for K in Ks:
+        session = open_method(cell.px.config("specter", K), cell.px.checkpoint, cell.cm)
+        method, machine = session.method, session.machine
+        try:
+            gen = torch.Generator().manual_seed(int(cell.cfg.seed))
+            method.reset()
+            method.generate(cell.prompts[0], int(p.warmup_tokens), gen)  # warm-up, as the projection does
+            method.warmed()
+            rt = method.rt
+            capacity = {layer: rt.cache.capacity(layer) for layer in rt.om.moe_layers}
+            loads, steps, windows = 0, 0, 0
+            totals = dict.fromkeys(levels, 0)
+            for prompt in cell.prompts:
+                method.reset()
+                machine.clock.sync()
+                start: dict[int, set[int]] = {}  # the residents when the prefill's forward ends (as `measure`)
+                machine.on_target_head = lambda start=start, cache=rt.cache: start.update(
+                    {layer: cache.resident(layer) for layer in cache.layers})
+                f0 = len(machine.forwards)
+                out = method.generate(prompt, int(p.new_tokens), gen)
+                machine.on_target_head = None
+                first = next(f.end for f in machine.forwards[f0:] if f.kind == "target")
+                loads += machine.real_loads(since=first)
+                steps += len(out.tokens) - 1
+                routes = decode_routes(method)
+                windows += len(routes)
+                for L, n in record_horizons(routes, capacity, start, machine.block, levels).items():
+                    totals[L] += n
+        finally:
+            close(session)
+        bound = totals[None]
+        row = {"model": cell.real, "memory": tier, "device": cell.cm.d.name, "K": K, "M": cell.slots["specter"][0],
+               "windows": windows, "tokens": steps, "loads_per_token": round(loads / steps, 2),
+               "belady_loads_per_token": round(bound / steps, 2), "specter_over_belady": round(loads / bound, 3)}
+        row.update({f"horizon{L}_over_belady": round(totals[L] / bound, 3) for L in horizons})
+        rows.append(row)
+        print(f"  {cell.real} {tier} K={K} M={row['M']}: Specter {row['loads_per_token']} loads/token, "
+              f"{row['specter_over_belady']}x Belady; knowing "
+              + ", ".join(f"{L} more window(s) {row[f'horizon{L}_over_belady']}x" for L in horizons),
+              flush=True)
+    return rows
+
+
+def traced_routes(folder: Path) -> dict[tuple[str, str, str], dict[int, list[set[int]]]]:
+    """A run folder's route log (routes.csv.gz or routes.csv: dataset, prompt_index, repeat, window, layer, expert),
+    per record: layer -> one expert set per route-log window (window 0 is the prefill)."""
+    import pandas as pd
+
+    path = next((folder / n for n in ("routes.csv.gz", "routes.csv") if (folder / n).is_file()), None)
+    if path is None:
+        raise SystemExit(f"{folder}: no routes.csv.gz or routes.csv (a run with method.trace_windows=true writes one)")
+    df = pd.read_csv(path)
+    missing = {"dataset", "prompt_index", "repeat", "window", "layer", "expert"} - set(df.columns)
+    if missing:
+        raise SystemExit(f"{path}: missing columns {sorted(missing)}")
+    out = {}
+    for key, rec in df.groupby(["dataset", "prompt_index", "repeat"], sort=True):
+        T = int(rec["window"].max()) + 1
+        sets = {(int(w), int(l)): set(g["expert"].astype(int)) for (w, l), g in rec.groupby(["window", "layer"])}
+        out[tuple(map(str, key))] = {int(l): [sets.get((t, int(l)), set()) for t in range(T)]
+                                     for l in sorted(rec["layer"].unique())}
+    return out
+
+
+def lookahead_traced(folder: Path, horizons: list[int]) -> list[dict]:
+    """The same lookahead on a CPU run folder's route log, at the slots its records ran with. The log does not keep
+    the residents the run started from, so every policy here starts from an empty cache; each record's own
+    ``loads_over_belady`` (from its true start) stands beside the ratios for comparison."""
+    import pandas as pd
+
+    routes = traced_routes(folder)
+    if not (folder / "records.csv").is_file():
+        raise SystemExit(f"{folder}: no records.csv beside its route log")
+    records = pd.read_csv(folder / "records.csv")
+    rows = []
+    for key, layers in routes.items():
+        rec = records[(records["dataset"].astype(str) == key[0]) & (records["prompt_index"].astype(str) == key[1])
+                      & (records["repeat"].astype(str) == key[2])]
+        if rec.empty or pd.isna(rec["resident_experts"].iloc[0]):
+            continue
+        r = rec.iloc[0]
+        M = int(r["resident_experts"])
+        bound = sum(horizon_loads(ws, M) for ws in layers.values())
+        row = {"model": r["model"], "memory": r["memory"], "device": "cpu", "K": int(r["K"]), "M": M,
+               "dataset": key[0], "prompt_index": key[1], "windows": len(next(iter(layers.values()))),
+               "tokens": int(r["new_tokens"]), "specter_over_belady": round(float(r["loads_over_belady"]), 3)}
+        for L in horizons:
+            row[f"horizon{L}_over_belady"] = round(sum(horizon_loads(ws, M, L=L) for ws in layers.values()) / bound, 3)
+        rows.append(row)
+        print(f"  {folder.name} {key[0]}#{key[1]} K={row['K']} M={M}: Specter {row['specter_over_belady']}x Belady; "
+              "knowing " + ", ".join(f"{L} more {row[f'horizon{L}_over_belady']}x" for L in horizons), flush=True)
+    if not rows:
+        raise SystemExit(f"{folder}: no record of records.csv matches a record of its route log with resident_experts")
     return rows
 
 
@@ -293,6 +473,15 @@ def main(argv: list[str] | None = None) -> int:
     pv.add_argument("--cells", nargs="+", type=parse_cell, required=True, help="model:tier:K[,K...] (a real model)")
     pv.add_argument("--device", default="a100_40gb_pcie4", help="a device file of specter/projection/devices/")
     pv.add_argument("--csv", type=Path, default=REPO / "results" / "window_levers" / "post_verify.csv")
+    la = sub.add_parser("lookahead", help="how far ahead must residency see to reach the Belady bound?")
+    la.add_argument("--cells", nargs="+", type=parse_cell, default=[],
+                    help="model:tier:K[,K...] (a real model): Specter on the projection's windows")
+    la.add_argument("--traces", nargs="+", type=Path, default=[],
+                    help="CPU run folders with a route log (e.g. results/reference/trace/*)")
+    la.add_argument("--horizons", nargs="+", type=int, default=[0, 1, 2, 4],
+                    help="windows known beyond the current one (0: the current window only, as Specter's passes)")
+    la.add_argument("--device", default="a100_40gb_pcie4", help="a device file of specter/projection/devices/")
+    la.add_argument("--csv", type=Path, default=REPO / "results" / "window_levers" / "lookahead.csv")
     cf = sub.add_parser("confidence", help="the proxies' drafts: does a low margin predict a rejection?")
     cf.add_argument("--models", nargs="+", default=["tiny_dsv2", "tiny_qwen", "tiny_phi"])
     cf.add_argument("--num-prompts", type=int, default=6, help="per dataset (WikiText-2, HumanEval, GSM8K)")
@@ -302,6 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.lever == "post-verify":
         rows = [r for model, tier, Ks in args.cells for r in post_verify_cell(model, tier, Ks, args.device)]
+    elif args.lever == "lookahead":
+        if not args.cells and not args.traces:
+            ap.error("lookahead: give --cells, --traces or both")
+        if any(L < 0 for L in args.horizons):
+            ap.error("--horizons are >= 0")
+        rows = [r for model, tier, Ks in args.cells for r in lookahead_cell(model, tier, Ks, args.device, args.horizons)]
+        rows += [r for folder in args.traces for r in lookahead_traced(folder, args.horizons)]
     else:
         if args.num_prompts < 1 or args.max_new_tokens < 1 or (args.K is not None and args.K < 1):
             ap.error("--num-prompts, --max-new-tokens and --K must be >= 1")

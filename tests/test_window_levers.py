@@ -1,5 +1,5 @@
 """scripts/bench_window_levers.py: windows rebuilt from a record's forwards, the post-verify drafting bound,
-and the draft-confidence tables, on hand-made inputs."""
+the residency lookahead and the draft-confidence tables, on hand-made inputs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace as F
 
 import pytest
 
-from scripts.bench_window_levers import (Positions, Window, above_floor, hideable, parse_cell, pass_floor, probe,
-                                        record_windows, threshold_rows)
+from scripts.bench_window_levers import (Positions, Window, above_floor, hideable, horizon_loads, lookahead_traced,
+                                        parse_cell, pass_floor, probe, record_horizons, record_windows, threshold_rows)
 
 
 def forwards(*spec):
@@ -102,3 +102,54 @@ def test_parse_cell_rejects_bad_cells(bad):
     with pytest.raises(argparse.ArgumentTypeError):
         parse_cell(bad)
     assert parse_cell("dsv2:low:16,48") == ("dsv2", "low", [16, 48])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_horizon_loads_is_the_belady_bound_with_the_whole_trace_in_view_and_never_below_it(seed):
+    import random
+
+    from specter.predict.oracle import min_loads
+
+    rng = random.Random(seed)
+    for _ in range(300):
+        E, T = rng.randint(2, 9), rng.randint(1, 8)
+        M = rng.randint(1, E)
+        ws = [set(rng.sample(range(E), rng.randint(0, E))) for _ in range(T)]
+        start = set(rng.sample(range(E), rng.randint(0, M)))
+        bound = min_loads(ws, M, start)
+        assert horizon_loads(ws, M, start) == bound == horizon_loads(ws, M, start, L=T)
+        assert all(horizon_loads(ws, M, start, L=L) >= bound for L in range(T))
+
+
+def test_the_next_window_in_view_keeps_the_resident_it_needs():
+    ws = [{0, 1}, {2}, {0}]  # two slots: window 1's load must evict 0 or 1; window 2 needs 0 again
+    assert horizon_loads(ws, 2, L=0) == 4  # both residents unused ahead as far as it can see: it evicts 0, reloads it
+    assert horizon_loads(ws, 2, L=1) == 3 == horizon_loads(ws, 2)  # seeing window 2, it evicts 1
+    assert horizon_loads(ws, 2, {0, 1}, L=1) == 1  # from warm residents only expert 2 loads
+
+
+def test_record_horizons_weighs_each_tiny_layer_by_its_real_layers_and_starts_from_the_prefill():
+    routes = [{0: {0, 1}, 1: {5}}, {0: {2}}, {0: {0}, 1: {5}}]
+    out = record_horizons(routes, {0: 2, 1: 1}, {1: {5}}, {0: 3, 1: 2}, [0, None])
+    assert out == {0: 3 * 4 + 2 * 0, None: 3 * 3 + 2 * 0}
+
+
+def test_lookahead_on_a_traced_run_folder(tmp_path):
+    import pandas as pd
+
+    rows = [("gsm8k", 0, 0, w, layer, e, 1) for w, layer, experts in
+            [(0, 1, {0, 1}), (1, 1, {2}), (2, 1, {0}), (0, 2, {3}), (2, 2, {4})] for e in experts]
+    pd.DataFrame(rows, columns=["dataset", "prompt_index", "repeat", "window", "layer", "expert", "count"]).to_csv(
+        tmp_path / "routes.csv.gz", index=False)
+    pd.DataFrame([{"method": "specter", "model": "tiny_x", "memory": "low", "dataset": "gsm8k", "prompt_index": 0,
+                   "repeat": 0, "K": 4, "resident_experts": 2, "new_tokens": 8, "loads_over_belady": 1.2}]).to_csv(
+        tmp_path / "records.csv", index=False)
+    (row,) = lookahead_traced(tmp_path, [0, 1])
+    # layer 1: 4 loads at horizon 0, 3 with the next window in view (the bound); layer 2: 2 loads either way
+    assert row["horizon0_over_belady"] == round(6 / 5, 3) and row["horizon1_over_belady"] == 1.0
+    assert (row["M"], row["windows"], row["specter_over_belady"]) == (2, 3, 1.2)
+
+
+def test_lookahead_refuses_a_folder_without_a_route_log(tmp_path):
+    with pytest.raises(SystemExit, match="routes.csv"):
+        lookahead_traced(tmp_path, [0])
