@@ -148,68 +148,89 @@ def projected_cell(real: str, tier: str, device: str) -> Cell:
     return Cell(cfg, real_name, px, cost_model(real_name, device), px.prompts(0, int(cfg.project.prompts)), slots)
 
 
-def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[dict]:
+@dataclass
+class Decoded:
+    """One held-out record Specter decoded on a cell's virtual machine."""
+
+    out: object  # the method's generate() result
+    forwards: list  # the record's forwards on the virtual clock, the prefill's target forward first
+    start: dict[int, set[int]]  # per MoE layer, the residents when the prefill's forward ended
+
+
+def decoded_records(cell: Cell, K: int):
+    """Specter at draft length K on the cell's machine, as the projection measures it (`engine_run.measure`): one
+    warm-up record, then each held-out prompt from a reset cache. Yields (session, Decoded) per prompt."""
     import torch
 
-    from specter.projection.engine_run import close, decode_routes, open_method
+    from specter.projection.engine_run import close, open_method
+
+    session = open_method(cell.px.config("specter", K), cell.px.checkpoint, cell.cm)
+    method, machine, p = session.method, session.machine, cell.cfg.project
+    try:
+        gen = torch.Generator().manual_seed(int(cell.cfg.seed))
+        method.reset()
+        method.generate(cell.prompts[0], int(p.warmup_tokens), gen)  # warm-up: the planner's estimates learn the clock
+        method.warmed()
+        for prompt in cell.prompts:
+            method.reset()
+            machine.clock.sync()  # records do not overlap: the previous one's copies have landed
+            start: dict[int, set[int]] = {}
+            machine.on_target_head = lambda start=start, cache=method.rt.cache: start.update(
+                {layer: cache.resident(layer) for layer in cache.layers})
+            f0 = len(machine.forwards)
+            out = method.generate(prompt, int(p.new_tokens), gen)
+            machine.on_target_head = None
+            yield session, Decoded(out, machine.forwards[f0:], start)
+    finally:
+        close(session)
+
+
+def post_verify_cell(real: str, tier: str, Ks: list[int], device: str) -> list[dict]:
+    from specter.projection.engine_run import decode_routes
 
     cell = projected_cell(real, tier, device)
-    cfg, real_name, px, cm, p, prompts, slots = (cell.cfg, cell.real, cell.px, cell.cm, cell.cfg.project, cell.prompts,
-                                                 cell.slots)
-    rival = fastest_rival(real_name, tier, cm.d.name)
+    cm, M = cell.cm, cell.slots["specter"][0]
+    rival = fastest_rival(cell.real, tier, cm.d.name)
     rows = []
     for K in Ks:
-        session = open_method(px.config("specter", K), px.checkpoint, cm)
-        method, machine = session.method, session.machine
-        try:
-            gen = torch.Generator().manual_seed(int(cfg.seed))
-            method.reset()
-            method.generate(prompts[0], int(p.warmup_tokens), gen)  # warm-up, as the projection does
-            method.warmed()
-            decode = hidden = draft = floor = excess = idle = draft_idle = 0.0
-            steps = n = full = 0
-            M, blocks = slots["specter"][0], machine.block
+        decode = hidden = draft = floor = excess = idle = draft_idle = 0.0
+        steps = n = full = 0
+        for session, rec in decoded_records(cell, K):
+            method, machine = session.method, session.machine
+            blocks = machine.block
             staging = method.rt.cache.staging * max(blocks.values())  # a proxy buffer holds a block's experts
-            for prompt in prompts:
-                method.reset()
-                machine.clock.sync()
-                f0 = len(machine.forwards)
-                out = method.generate(prompt, int(p.new_tokens), gen)
-                forwards = machine.forwards[f0:]
-                trace = method.engine.trace
-                windows = record_windows(forwards, trace.drafted, trace.accepted, K)
-                ends = [f.end for f in forwards if f.kind == "target"]
-                decode += ends[-1] - ends[0]
-                steps += len(out.tokens) - 1
-                hidden += hideable(windows)
-                routes = decode_routes(method)
-                if len(routes) != len(windows):
-                    raise RuntimeError(f"{len(windows)} passes on the clock, {len(routes)} in the route log")
-                for w, r in zip(windows, routes):
-                    f = pass_floor(w, r, M, blocks, staging, cm.h2d())
-                    e, i = above_floor(w, f, machine.copy_busy(w.draft_end, w.end))
-                    floor, excess, idle = floor + f, excess + e, idle + i
-                    draft_idle += (w.draft_end - w.start) - machine.copy_busy(w.start, w.draft_end)
-                n += sum(w.drafted > 0 for w in windows)
-                full += sum(w.full for w in windows)
-                draft += sum(w.draft_end - w.start for w in windows)
-            tpot = decode / steps
-            rows.append({"model": real_name, "memory": tier, "device": cm.d.name, "K": K, "windows": n,
-                         "full_windows": full, "tpot_ms": round(tpot * 1e3, 2),
-                         "hideable_share": round(hidden / decode, 4),
-                         "tpot_bound_ms": round((decode - hidden) / steps * 1e3, 2),
-                         "draft_share": round(draft / decode, 3), "floor_ms": round(floor / steps * 1e3, 2),
-                         "excess_copy_ms": round(excess / steps * 1e3, 2),
-                         "idle_after_draft_ms": round(idle / steps * 1e3, 2),
-                         "draft_copy_idle_share": round(draft_idle / draft, 3) if draft else 0.0,
-                         "fastest_rival": rival[0] if rival else "", "rival_tpot_ms": rival[1] if rival else ""})
-            print(f"  {real_name} {tier} K={K}: TPOT {tpot * 1e3:.1f} ms, {full}/{n} windows fully accepted, "
-                  f"post-verify drafting hides <= {hidden / decode:.1%} -> >= {rows[-1]['tpot_bound_ms']} ms; "
-                  f"floor at M={M}: {rows[-1]['floor_ms']} ms (+{rows[-1]['excess_copy_ms']} copying, "
-                  f"+{rows[-1]['idle_after_draft_ms']} copy-idle after the draft)"
-                  + (f" (fastest rival {rival[0]} {rival[1]} ms)" if rival else ""), flush=True)
-        finally:
-            close(session)
+            trace = method.engine.trace
+            windows = record_windows(rec.forwards, trace.drafted, trace.accepted, K)
+            ends = [f.end for f in rec.forwards if f.kind == "target"]
+            decode += ends[-1] - ends[0]
+            steps += len(rec.out.tokens) - 1
+            hidden += hideable(windows)
+            routes = decode_routes(method)
+            if len(routes) != len(windows):
+                raise RuntimeError(f"{len(windows)} passes on the clock, {len(routes)} in the route log")
+            for w, r in zip(windows, routes):
+                f = pass_floor(w, r, M, blocks, staging, cm.h2d())
+                e, i = above_floor(w, f, machine.copy_busy(w.draft_end, w.end))
+                floor, excess, idle = floor + f, excess + e, idle + i
+                draft_idle += (w.draft_end - w.start) - machine.copy_busy(w.start, w.draft_end)
+            n += sum(w.drafted > 0 for w in windows)
+            full += sum(w.full for w in windows)
+            draft += sum(w.draft_end - w.start for w in windows)
+        tpot = decode / steps
+        rows.append({"model": cell.real, "memory": tier, "device": cm.d.name, "K": K, "windows": n,
+                     "full_windows": full, "tpot_ms": round(tpot * 1e3, 2),
+                     "hideable_share": round(hidden / decode, 4),
+                     "tpot_bound_ms": round((decode - hidden) / steps * 1e3, 2),
+                     "draft_share": round(draft / decode, 3), "floor_ms": round(floor / steps * 1e3, 2),
+                     "excess_copy_ms": round(excess / steps * 1e3, 2),
+                     "idle_after_draft_ms": round(idle / steps * 1e3, 2),
+                     "draft_copy_idle_share": round(draft_idle / draft, 3) if draft else 0.0,
+                     "fastest_rival": rival[0] if rival else "", "rival_tpot_ms": rival[1] if rival else ""})
+        print(f"  {cell.real} {tier} K={K}: TPOT {tpot * 1e3:.1f} ms, {full}/{n} windows fully accepted, "
+              f"post-verify drafting hides <= {hidden / decode:.1%} -> >= {rows[-1]['tpot_bound_ms']} ms; "
+              f"floor at M={M}: {rows[-1]['floor_ms']} ms (+{rows[-1]['excess_copy_ms']} copying, "
+              f"+{rows[-1]['idle_after_draft_ms']} copy-idle after the draft)"
+              + (f" (fastest rival {rival[0]} {rival[1]} ms)" if rival else ""), flush=True)
     return rows
 
 
@@ -262,44 +283,24 @@ def record_horizons(routes: list[dict[int, set[int]]], capacity: dict[int, int],
 
 
 def lookahead_cell(real: str, tier: str, Ks: list[int], device: str, horizons: list[int]) -> list[dict]:
-    import torch
-
-    from specter.projection.engine_run import close, decode_routes, open_method
+    from specter.projection.engine_run import decode_routes
 
     cell = projected_cell(real, tier, device)
-    p = cell.cfg.project
     levels: list[int | None] = [*horizons, None]
     rows = []
     for K in Ks:
-        session = open_method(cell.px.config("specter", K), cell.px.checkpoint, cell.cm)
-        method, machine = session.method, session.machine
-        try:
-            gen = torch.Generator().manual_seed(int(cell.cfg.seed))
-            method.reset()
-            method.generate(cell.prompts[0], int(p.warmup_tokens), gen)  # warm-up, as the projection does
-            method.warmed()
-            rt = method.rt
-            capacity = {layer: rt.cache.capacity(layer) for layer in rt.om.moe_layers}
-            loads, steps, windows = 0, 0, 0
-            totals = dict.fromkeys(levels, 0)
-            for prompt in cell.prompts:
-                method.reset()
-                machine.clock.sync()
-                start: dict[int, set[int]] = {}  # the residents when the prefill's forward ends (as `measure`)
-                machine.on_target_head = lambda start=start, cache=rt.cache: start.update(
-                    {layer: cache.resident(layer) for layer in cache.layers})
-                f0 = len(machine.forwards)
-                out = method.generate(prompt, int(p.new_tokens), gen)
-                machine.on_target_head = None
-                first = next(f.end for f in machine.forwards[f0:] if f.kind == "target")
-                loads += machine.real_loads(since=first)
-                steps += len(out.tokens) - 1
-                routes = decode_routes(method)
-                windows += len(routes)
-                for L, n in record_horizons(routes, capacity, start, machine.block, levels).items():
-                    totals[L] += n
-        finally:
-            close(session)
+        loads = steps = windows = 0
+        totals = dict.fromkeys(levels, 0)
+        for session, rec in decoded_records(cell, K):
+            method, machine = session.method, session.machine
+            capacity = {layer: method.rt.cache.capacity(layer) for layer in method.rt.om.moe_layers}
+            first = next(f.end for f in rec.forwards if f.kind == "target")  # the decode starts at the prefill's end
+            loads += machine.real_loads(since=first)
+            steps += len(rec.out.tokens) - 1
+            routes = decode_routes(method)
+            windows += len(routes)
+            for L, n in record_horizons(routes, capacity, rec.start, machine.block, levels).items():
+                totals[L] += n
         bound = totals[None]
         row = {"model": cell.real, "memory": tier, "device": cell.cm.d.name, "K": K, "M": cell.slots["specter"][0],
                "windows": windows, "tokens": steps, "loads_per_token": round(loads / steps, 2),
