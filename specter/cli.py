@@ -123,7 +123,9 @@ def serve_main(argv: list[str]) -> int:
     from specter.entry import OneLineParser, bounded
     from specter.assembly.config import ConfigError
     from specter.serve.build import MAX_BATCH, compose_checked
-    from specter.serve.server import bind_socket, is_loopback, make_server
+    from specter.serve.limits import BODY_TIMEOUT_S
+    from specter.serve.server import (HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, bind_socket, is_loopback,
+                                      make_server)
 
     parser = OneLineParser(prog="specter serve", description="OpenAI-compatible HTTP server "
                      "(config overrides as key=value, e.g. model=tiny_dsv2 memory=low)")
@@ -134,7 +136,16 @@ def serve_main(argv: list[str]) -> int:
     parser.add_argument("--max-queue", type=bounded(int, 0, 2**31, "an integer >= 0"), default=64,
                         help="requests waiting beyond the batch (then 503)")
     parser.add_argument("--drain-timeout", type=bounded(float, 0, 86400, "a number of seconds in [0, 86400]"),
-                        default=600.0, help="seconds SIGTERM waits for in-flight requests")
+                        default=600.0, help="seconds SIGTERM waits for in-flight requests and the engine's queue, "
+                        "in all")
+    parser.add_argument("--header-timeout", type=bounded(float, 0.1, 3600, "a number of seconds in [0.1, 3600]"),
+                        default=HEADER_TIMEOUT_S, help="seconds a client has to send a request's headers (then 408)")
+    parser.add_argument("--body-timeout", type=bounded(float, 0.1, 3600, "a number of seconds in [0.1, 3600]"),
+                        default=BODY_TIMEOUT_S, help="seconds a client has to send a request's body (then 408)")
+    parser.add_argument("--keep-alive", type=bounded(int, 1, 3600, "an integer number of seconds in [1, 3600]"),
+                        default=KEEP_ALIVE_S, help="seconds an idle keep-alive connection stays open")
+    parser.add_argument("--max-connections", type=bounded(int, 1, 65536, "an integer in [1, 65536]"),
+                        default=MAX_CONNECTIONS, help="open connections at most (one more is answered 503)")
     args, rest = parser.parse_known_args(argv)
     overrides, _ = split_overrides(rest, ())
     compose_checked(overrides)  # a bad override is refused before the port is taken
@@ -152,7 +163,9 @@ def serve_main(argv: list[str]) -> int:
         sock.close()
         raise
     try:
-        parts = make_server(engine, args.host, port, args.max_queue, args.drain_timeout, log_level="info")
+        parts = make_server(engine, args.host, port, args.max_queue, args.drain_timeout, log_level="info",
+                            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                            keep_alive_s=args.keep_alive, max_connections=args.max_connections)
         print(f"specter serve: {engine.name} ({engine.method.name}, {engine.cfg.memory.name} tier, batch up to "
               f"{engine.max_batch}, queue {args.max_queue}) on http://{args.host}:{port}/v1", flush=True)
         stopped: list[int] = []

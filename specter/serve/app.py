@@ -16,7 +16,6 @@ choice's token ids.
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specter.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, BodyLimit, Shutdown
 from specter.serve.loop import ServingLoop
 from specter.serve.metrics import ServeMetrics
 from specter.serve.routes import CHECK_S, Routes, chat_prompt
@@ -33,69 +33,24 @@ __all__ = ["CHECK_S", "MAX_BODY_BYTES", "ApiError", "BodyLimit", "ChatBody", "Ch
            "chat_prompt", "create_app", "encodable", "error_body"]
 
 
-# ---------------------------------------------------------------------------------- body size
-MAX_BODY_BYTES = 4 * 2**20  # far above any prompt a context of 32k tokens holds, as text or as token ids
-DRAIN_BYTES = 64 * 2**20  # an oversized body is read (and dropped) up to here before the 413
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes is answered 413, counted as it arrives
-    (Content-Length or chunked) and never held in memory, parsed or tokenized."""
-
-    def __init__(self, app: Any, limit: int, metrics: ServeMetrics):
-        self.app, self.limit, self.metrics = app, limit, metrics
-
-    async def _refuse(self, send: Any) -> None:
-        self.metrics.request(413)
-        body = json.dumps(error_body(f"the request body exceeds {self.limit} bytes", "invalid_request_error",
-                                     code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before its body arrived
-                return
-            size += len(message.get("body", b""))
-            if size <= self.limit:
-                chunks.append(message.get("body", b""))
-            elif size > DRAIN_BYTES:  # read no further: answer and close
-                return await self._refuse(send)
-            if not message.get("more_body"):
-                break
-        if size > self.limit:  # the rest was read and dropped, so the client sees the 413, not a reset
-            return await self._refuse(send)
-        body, replayed = b"".join(chunks), False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # later reads: disconnect notices
-
-        await self.app(scope, replay, send)
-
-
 # ---------------------------------------------------------------------------------- the app
-def create_app(engine: Any, loop: ServingLoop, metrics: ServeMetrics, drain_timeout_s: float = 600.0) -> FastAPI:
-    """The app over `engine` (a `specter.api.Engine`, or the `Served` it wraps) decoded by `loop`."""
+def create_app(engine: Any, loop: ServingLoop, metrics: ServeMetrics, drain_timeout_s: float = 600.0,
+               shutdown: Shutdown | None = None, body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+    """The app over `engine` (a `specter.api.Engine`, or the `Served` it wraps) decoded by `loop`;
+    `shutdown` is the server's (specter/serve/server.py), so the drain shares one timeout with it."""
     routes = Routes(engine, loop, metrics)
+    shutdown = shutdown or Shutdown(drain_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()
         yield
-        await asyncio.to_thread(loop.drain, drain_timeout_s)  # SIGTERM: uvicorn stops accepting, we finish
+        # SIGTERM: uvicorn stopped accepting and waited for in-flight requests; what is left of the one
+        # drain timeout finishes the engine's queue
+        await asyncio.to_thread(loop.drain, shutdown.left_s())
 
     app = FastAPI(title="Specter", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES, metrics=metrics)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES, metrics=metrics, timeout_s=body_timeout_s, shutdown=shutdown)
     app.add_exception_handler(ApiError, routes.on_api_error)
     app.add_exception_handler(RequestValidationError, routes.on_invalid)
     app.add_exception_handler(StarletteHTTPException, routes.on_http_error)

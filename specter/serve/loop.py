@@ -8,7 +8,11 @@
 Only this thread touches the decoders, so nothing in specter/speculative needs a lock. A decoder's
 sampling settings are the same for all its rows, so requests with different settings go to
 different decoders over the same runtime (and expert cache), stepped in turn as
-`engine.generate_microbatched` steps its microbatches.
+`engine.generate_microbatched` steps its microbatches. At most MAX_DECODERS decoders exist at once.
+Admission never blocks on the head of the queue: a request whose settings have a decoder takes the
+next free row even while an earlier request waits for a decoder of its own. That earlier request's
+wait is bounded: the decoder with the fewest tokens left closes to newcomers (they wait behind it
+in queue order) and is retired once its requests finish, which frees a place for the new settings.
 
 Failures stay with the request that caused them. A request that cannot enter a decoder ends alone
 with "error". A window that fails ends a decoder's only request; a decoder shared by several
@@ -103,6 +107,7 @@ class ServingLoop:
         self._cancels: list[Job] = []
         self._decoders: dict[Any, BatchLoop] = {}  # by Job.key
         self._jobs: dict[Any, list[Job]] = {}  # the jobs in each decoder (queued or active)
+        self._closing: set[Any] = set()  # decoders that admit no more jobs: retired once idle
         self._draining = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -208,31 +213,50 @@ class ServingLoop:
             self._publish_depth()
 
     def _take_admissible(self) -> list[Job]:
-        """Waiting jobs that fit beside the decoding ones (called under the lock); cancelled ones are dropped."""
-        out = []
+        """Waiting jobs that fit beside the decoding ones, in queue order (called under the lock);
+        cancelled ones are dropped. A job that cannot have its decoder yet stays in the queue, in
+        place, and the jobs behind it may still enter running decoders (see the module docstring)."""
+        for key in [k for k in self._closing if not self._jobs.get(k)]:  # closed and idle: retire it
+            self._decoders.pop(key, None)
+            self._jobs.pop(key, None)
+            self._closing.discard(key)
+        out, kept = [], deque()
         room = self.max_batch - self._decoding()
         while self._waiting and room > 0:
             job = self._waiting.popleft()
             if job.cancelled:
                 self._finish(job, "cancelled")
                 continue
-            if job.key not in self._decoders and not self._room_for():
-                self._waiting.appendleft(job)  # its settings wait for a decoder to go idle
-                break
+            if job.key in self._closing or (job.key not in self._jobs and not self._room_for()):
+                kept.append(job)  # waits for its decoder; those behind it are not held up
+                continue
             self._jobs.setdefault(job.key, []).append(job)
             out.append(job)
             room -= 1
+        if any(job.key not in self._jobs for job in kept) and not self._closing:
+            self._close_one()
+        self._waiting.extendleft(reversed(kept))  # ahead of the unvisited ones, in their order
         return out
 
     def _room_for(self) -> bool:
         """A decoder for a new key fits: fewer than MAX_DECODERS, or an idle one can go."""
-        if len(self._decoders) < MAX_DECODERS:
+        if len(self._jobs.keys() | self._decoders.keys()) < MAX_DECODERS:  # admitted keys build theirs in _enter
             return True
         idle = [k for k, jobs in self._jobs.items() if not jobs]
         for k in idle:
             self._decoders.pop(k, None)
             del self._jobs[k]
+            self._closing.discard(k)
         return bool(idle)
+
+    def _close_one(self) -> None:
+        """Close the decoder with the fewest tokens left to newcomers, so a job whose settings have
+        no decoder waits for that decoder's requests only, never for the queue to run dry."""
+        def left(key: Any) -> int:
+            return sum(j.max_tokens - j.sent for j in self._jobs.get(key, []))
+
+        if self._jobs:
+            self._closing.add(min(self._jobs, key=left))
 
     def _enter(self, job: Job) -> None:
         """Submit `job` to its decoder; a job that cannot enter ends alone with "error"."""
@@ -252,6 +276,7 @@ class ServingLoop:
             if not self._jobs.get(job.key) and job.key in self._jobs:
                 self._decoders.pop(job.key, None)
                 del self._jobs[job.key]
+                self._closing.discard(job.key)
             return
         if self.metrics is not None:
             self.metrics.queue_wait(time.perf_counter() - job.arrived_s)
@@ -284,6 +309,7 @@ class ServingLoop:
         """Discard the decoder; its only request ends with "error", or each of several resumes alone."""
         jobs = [j for j in self._jobs.pop(key, []) if not j.cancelled]
         del self._decoders[key]
+        self._closing.discard(key)
         if len(jobs) == 1 or (jobs and jobs[0].solo):
             _log(f"a window failed: {_one_line(err)}; its request ends with an error")
             for job in jobs:
@@ -344,6 +370,7 @@ class ServingLoop:
             self._waiting.clear()
             self._jobs.clear()
             self._decoders.clear()
+            self._closing.clear()
             self._cv.notify_all()
         for job in jobs:
             if job.finish is None:
