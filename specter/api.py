@@ -242,7 +242,7 @@ class Engine:
     # -- internals
     def _job(self, prompts: list[str], max_new_tokens, temperature, top_p, seed, ignore_eos) -> _Job:
         """Checked settings and token ids, refused with a ConfigError before anything decodes."""
-        from specter.speculative.sampling import SamplingParams
+        from specter.speculative.sampling import SamplingParams, check_sampling
 
         if self._closed:
             raise EngineClosed("this engine is closed; load a new one")
@@ -253,18 +253,19 @@ class Engine:
         t = float(cfg.temperature) if temperature is None else temperature
         p = float(cfg.top_p) if top_p is None else top_p
         for name, v in (("temperature", t), ("top_p", p)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ConfigError(f"{name} must be a finite number, got {v!r}")
-        if t < 0:
-            raise ConfigError(f"temperature must be >= 0, got {t}")
-        if not 0 < p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {p}")
+        try:  # the range every entry point shares (speculative/sampling.py)
+            check_sampling(float(t), float(p))
+        except (ValueError, OverflowError) as err:
+            raise ConfigError(str(err) if isinstance(err, ValueError) else f"temperature and top_p must be finite "
+                              f"numbers, got {t!r}, {p!r}") from None
         s = int(cfg.seed) if seed is None else seed
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s or s + len(prompts) > SEED_LIMIT:
             raise ConfigError(f"seed must be an integer in [0, 2**31 - number of prompts), got {seed!r}")
         if not isinstance(ignore_eos, bool):
             raise ConfigError(f"ignore_eos must be True or False, got {ignore_eos!r}")
-        params = SamplingParams(float(t), float(p), int(cfg.top_k) if t > 0 else 0)
+        params = SamplingParams(float(t), float(p), int(cfg.top_k))  # greedy drops top_k itself
         ids = [self._tokens(i, text, n) for i, text in enumerate(prompts)]
         eos = getattr(self.tokenizer, "eos_token_id", None)
         stop = frozenset() if ignore_eos or eos is None else frozenset([eos])
