@@ -30,6 +30,32 @@ from typing import Any
 from specter.assembly.config import SEED_LIMIT, ConfigError
 
 
+# The sampling range every entry point that serves (specter generate, specter.load, specter serve) shares.
+# Below GREEDY_BELOW decoding is greedy (as vLLM's sampler rules): dividing fp32 logits by a smaller
+# positive temperature overflows to inf and the softmax to NaN (1e-38 did), and the distribution it stands
+# for is the argmax's to within fp32 already. A top_p at or below TOP_P_FLOOR keeps only the most probable
+# token, as every top_p below that token's probability (>= 1 / vocabulary) does, so raising it to the floor
+# changes no nucleus while keeping it above fp32's smallest number (a top_p that rounds to 0 dropped all).
+GREEDY_BELOW = 1e-5
+TOP_P_FLOOR = 1e-30
+SAMPLING_RANGE = (f"temperature must be a finite number >= 0 (below {GREEDY_BELOW:g}: greedy) and "
+                  "top_p a finite number in (0, 1]")
+
+
+def sampling_params(temperature: float, top_p: float, top_k: int = 0) -> Any:
+    """The SamplingParams a request decodes with; ValueError naming the range outside it. Greedy settings
+    drop top_p and top_k (greedy decoding reads neither), so every greedy request shares one decoder."""
+    from specter.speculative.sampling import SamplingParams
+
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature} ({SAMPLING_RANGE})")
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be a finite number in (0, 1], got {top_p} ({SAMPLING_RANGE})")
+    if temperature < GREEDY_BELOW:
+        return SamplingParams()
+    return SamplingParams(float(temperature), max(float(top_p), TOP_P_FLOOR), int(top_k))
+
+
 class EngineClosed(ConfigError):
     """The engine was closed: load a new one."""
 
@@ -242,8 +268,6 @@ class Engine:
     # -- internals
     def _job(self, prompts: list[str], max_new_tokens, temperature, top_p, seed, ignore_eos) -> _Job:
         """Checked settings and token ids, refused with a ConfigError before anything decodes."""
-        from specter.speculative.sampling import SamplingParams, check_sampling
-
         if self._closed:
             raise EngineClosed("this engine is closed; load a new one")
         cfg = self.cfg
@@ -255,8 +279,8 @@ class Engine:
         for name, v in (("temperature", t), ("top_p", p)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ConfigError(f"{name} must be a finite number, got {v!r}")
-        try:  # the range every entry point shares (speculative/sampling.py)
-            check_sampling(float(t), float(p))
+        try:  # the range every entry point shares (sampling_params above)
+            params = sampling_params(float(t), float(p), int(cfg.top_k))
         except (ValueError, OverflowError) as err:
             raise ConfigError(str(err) if isinstance(err, ValueError) else f"temperature and top_p must be finite "
                               f"numbers, got {t!r}, {p!r}") from None
@@ -265,7 +289,6 @@ class Engine:
             raise ConfigError(f"seed must be an integer in [0, 2**31 - number of prompts), got {seed!r}")
         if not isinstance(ignore_eos, bool):
             raise ConfigError(f"ignore_eos must be True or False, got {ignore_eos!r}")
-        params = SamplingParams(float(t), float(p), int(cfg.top_k))  # greedy drops top_k itself
         ids = [self._tokens(i, text, n) for i, text in enumerate(prompts)]
         eos = getattr(self.tokenizer, "eos_token_id", None)
         stop = frozenset() if ignore_eos or eos is None else frozenset([eos])

@@ -1,5 +1,5 @@
 """One range for temperature and top_p, the same at every entry point (run.py's config, the Python
-API, the HTTP edge and SamplingParams itself), and every value inside it samples: below GREEDY_BELOW
+API and specter generate, the HTTP edge), and every value inside it samples: below GREEDY_BELOW
 decoding is greedy, a top_p below fp32's smallest number keeps the most probable token. Hypothesis
 draws floats with subnormals, infinities and NaN; the live server gives no 5xx for any of them."""
 
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from specter.assembly.config import ConfigError, _sampling
-from specter.speculative.sampling import (GREEDY_BELOW, SamplingParams, check_sampling, draft_next,
-                                          logits_to_probs, speculative_verify)
+from specter.api import GREEDY_BELOW, sampling_params
+from specter.speculative.sampling import SamplingParams, draft_next, logits_to_probs, speculative_verify
 
 floats = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True, width=64)
 REPORTED = (1e-38, 1e-39, 1e-45, 5e-324, 1e-300)  # temperatures that crashed a request
@@ -51,12 +51,10 @@ def _edge_accepts(temperature: float, top_p: float) -> bool:
 @example(temperature=0.7, top_p=1e-300)
 @example(temperature=5e-324, top_p=5e-324)
 def test_every_entry_point_takes_the_same_range(temperature, top_p):
-    params_ok = _accepts(lambda: SamplingParams(temperature, top_p))
     inside = math.isfinite(temperature) and temperature >= 0 and math.isfinite(top_p) and 0 < top_p <= 1
-    assert params_ok == inside
-    assert _accepts(lambda: check_sampling(temperature, top_p)) == inside
+    assert _accepts(lambda: sampling_params(temperature, top_p)) == inside  # specter generate, specter.load
     cfg = OmegaConf.create({"temperature": temperature, "top_p": top_p, "top_k": 0})
-    assert _accepts(lambda: _sampling(cfg)) == inside  # run.py, specter generate and specter.load's config
+    assert _accepts(lambda: _sampling(cfg)) == inside  # run.py's config
     assert _edge_accepts(temperature, top_p) == inside  # specter serve
 
 
@@ -68,7 +66,7 @@ def test_every_entry_point_takes_the_same_range(temperature, top_p):
 @example(temperature=GREEDY_BELOW, top_p=1e-300, top_k=0, scale=1e4)
 @example(temperature=1e300, top_p=1.0, top_k=0, scale=1.0)
 def test_every_value_in_range_gives_a_distribution_and_a_token(temperature, top_p, top_k, scale):
-    params = SamplingParams(temperature, top_p, top_k)
+    params = sampling_params(temperature, top_p, top_k)
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 32, generator=gen) * scale  # [T, V]
     probs = logits_to_probs(logits, params)  # [T, V]
@@ -84,14 +82,14 @@ def test_every_value_in_range_gives_a_distribution_and_a_token(temperature, top_
 
 @pytest.mark.parametrize("temperature", REPORTED + (GREEDY_BELOW / 2,))
 def test_a_temperature_below_the_threshold_is_greedy_and_shares_the_greedy_settings(temperature):
-    params = SamplingParams(temperature, 0.9, 5)
+    params = sampling_params(temperature, 0.9, 5)
     assert params.greedy and params == SamplingParams()
     logits = torch.randn(2, 50)
     assert torch.equal(logits_to_probs(logits, params).argmax(-1), logits.argmax(-1))
 
 
 def test_at_the_threshold_decoding_samples():
-    assert not SamplingParams(GREEDY_BELOW).greedy
+    assert not sampling_params(GREEDY_BELOW, 1.0).greedy
 
 
 # ---------------------------------------------------------------------------------- the live server

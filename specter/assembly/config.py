@@ -17,7 +17,6 @@ from specter.offload.policy import RESIDENCIES
 from specter.predict.planner import POLICIES
 from specter.quant.draft import QUANT_METHODS
 from specter.speculative.engine import PLANNER_STATES
-from specter.speculative.sampling import GREEDY_BELOW, check_sampling
 
 if TYPE_CHECKING:
     from specter.models.facts import CheckpointFacts
@@ -92,10 +91,9 @@ def _protocol(cfg: DictConfig) -> None:
 
 
 def _sampling(cfg: DictConfig) -> None:
-    try:  # the range every entry point shares (speculative/sampling.py)
-        check_sampling(float(cfg.temperature), float(cfg.top_p))
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    _require(math.isfinite(cfg.temperature) and cfg.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {cfg.temperature}")
+    _require(math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
     _require(cfg.top_k >= 0, f"top_k must be >= 0 (0 = off), got {cfg.top_k}")
 
 
@@ -145,7 +143,7 @@ def _method_settings(cfg: DictConfig) -> None:
             _choice(f"method.{key}", m.get(key), choices)
     if m.get("calibration_prompts") is not None:
         _int(cfg, "method.calibration_prompts", 1)
-    if cfg.verify_lossless and cfg.temperature >= GREEDY_BELOW:
+    if cfg.verify_lossless and cfg.temperature > 0:
         raise ConfigError("verify_lossless compares against greedy target-only decoding: it needs temperature=0")
 
 

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specter.api import sampling_params
 from specter.serve.loop import Job, QueueFull, ServingLoop
 from specter.serve.metrics import CONTENT_TYPE, ServeMetrics
 from specter.serve.schema import ApiError, ChatBody, ChatMessage, CompletionBody, SamplingBody, error_body
@@ -97,7 +98,9 @@ class Routes:
         self.engine, self.loop, self.metrics = engine, loop, metrics
         self.tokenizer, self.model_name = engine.tokenizer, engine.name
         cfg = engine.cfg
-        self.default = SamplingParams(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
+        self.default = sampling_params(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
+        # the configured values, not self.default's: greedy drops top_p and top_k, a sampled request reads them
+        self.top_p, self.top_k = float(cfg.top_p), int(cfg.top_k)
         self.eos = {t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None}
         self.seeds = iter(range(int(cfg.seed), 2**62))  # a request without a seed takes the next one
 
@@ -155,11 +158,10 @@ class Routes:
         if len(prompt) + n > ctx:
             raise ApiError(400, f"max_tokens={n} with a {len(prompt)}-token prompt exceeds this model's context "
                                 f"of {ctx} tokens", "max_tokens", "context_length_exceeded")
-        default = self.default
-        temperature = default.temperature if body.temperature is None else body.temperature
-        top_p = default.top_p if body.top_p is None else body.top_p
+        temperature = self.default.temperature if body.temperature is None else body.temperature
+        top_p = self.top_p if body.top_p is None else body.top_p
         try:
-            params = SamplingParams(temperature, top_p, default.top_k if temperature > 0 else 0)
+            params = sampling_params(temperature, top_p, self.top_k)  # one range (specter/api.py)
         except ValueError as err:
             raise ApiError(400, str(err), "temperature" if "temperature" in str(err) else "top_p") from None
         return n, params
@@ -181,7 +183,8 @@ class Routes:
         return list(p)
 
     # -- one generation ----------------------------------------------------------------------
-    def submit(self, body: SamplingBody, prompt: list[int], n: int, params: SamplingParams) -> tuple[Job, asyncio.Queue]:
+    def submit(self, body: SamplingBody, prompt: list[int], n: int,
+               params: SamplingParams) -> tuple[Job, asyncio.Queue]:
         """Queue the job (503 when the queue is full); its tokens arrive on the returned queue."""
         events: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()

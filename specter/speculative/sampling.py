@@ -16,46 +16,26 @@ reads its result back to the host in a single device->host copy.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-# Below this temperature decoding is greedy (as vLLM's sampler rules). Dividing fp32 logits by a
-# smaller positive temperature overflows to inf and the softmax to NaN (1e-38 did), and the
-# distribution it stands for is already the argmax's to within fp32 for any logit gap above
-# GREEDY_BELOW * 90. run.py, specter generate, specter.load and specter serve all go through
-# SamplingParams, so this is the one place the range and the threshold are decided.
-GREEDY_BELOW = 1e-5
-SAMPLING_RANGE = (f"temperature must be a finite number >= 0 (below {GREEDY_BELOW:g}: greedy) and "
-                  "top_p a finite number in (0, 1]")
-
-
-def check_sampling(temperature: float, top_p: float) -> None:
-    """ValueError naming the range unless `temperature` and `top_p` are values every decoder takes."""
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature} ({SAMPLING_RANGE})")
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be a finite number in (0, 1], got {top_p} ({SAMPLING_RANGE})")
-
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding settings shared by draft and target; ``temperature == 0`` means greedy. A temperature
-    below GREEDY_BELOW is stored as greedy, and greedy settings drop their top_p / top_k (which greedy
-    decoding never reads), so every greedy request shares one decoder."""
+    """Decoding settings shared by draft and target; ``temperature == 0`` means greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k filtering
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_p)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.temperature < GREEDY_BELOW:
-            for name, value in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
-                object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -81,7 +61,6 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         sorted_probs, order = torch.sort(torch.softmax(x, dim=-1), dim=-1, descending=True)  # [..., V]
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V] mass of strictly better tokens
         drop_sorted = mass_before >= params.top_p
-        drop_sorted[..., 0] = False  # a top_p below fp32's smallest number rounds to 0 and would drop all
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # back to vocab order
         x = x.masked_fill(drop, float("-inf"))
     return torch.softmax(x, dim=-1)
