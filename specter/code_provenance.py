@@ -3,14 +3,18 @@
 A commit alone does not say whether two folders ran the same measuring code (a README edit is a new
 commit); the trees of specter/ and baselines/ do: a tree's digest is the sha256 of its git listing
 (`git ls-tree <commit> specter/`: every entry's object id, so everything under it), less the entries
-of `NOT_MEASURING` (specter/figures/ draws CSVs and never changes a record). A run records, in its provenance.json (`code`), the commit it ran at,
-both trees, and per tree whether the working copy differed from that commit (`dirty`: then the tree
-digest is the commit's, and the code that ran was something else). `make_figures.py` warns about
+of `NOT_MEASURING`: code no measurement imports (tests/test_reference_provenance.py checks every import
+of the measuring trees): specter/figures/ draws CSVs; the entry points for use (specter generate, specter
+serve, specter.load) answer users; this module writes provenance.json's `code` and never a record.
+A run records, in its provenance.json (`code`), the commit it ran at, both trees, and per tree whether
+the working copy differed from that commit (`dirty`: then the tree digest is the commit's, and the code
+that ran was something else); a recorded commit this clone holds is judged by today's NOT_MEASURING. `make_figures.py` warns about
 every folder whose trees are not HEAD's (`stale_folders`). Plain git, no torch: figures need none.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import subprocess
@@ -19,7 +23,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TREES = ("specter", "baselines")  # the code that measures; docs, configs and figures do not change a record
-NOT_MEASURING = ("specter/figures",)  # entries of those trees left out of their digests
+NOT_MEASURING = ("specter/figures", "specter/serve", "specter/api.py", "specter/cli.py",  # left out of the digests
+                 "specter/code_provenance.py")
 PROVENANCE_NAME = "provenance.json"
 
 
@@ -87,13 +92,13 @@ def merged_states(previous: Any, now: dict[str, Any] | None) -> list[dict[str, A
     return states
 
 
-def why_stale(states: list[dict[str, Any]], head: dict[str, str | None]) -> str | None:
+def why_stale(states: list[dict[str, Any]], head: dict[str, str | None], repo: Path = REPO) -> str | None:
     """Why a folder's code is not HEAD's (None: every state's trees are HEAD's, none dirty)."""
     if not states:
         return "records no commit"
     for s in states:
         commit = str(s.get("commit") or "?")[:7]
-        trees = s.get("trees") or {}
+        trees = _trees_now(s, repo)
         differ = [t for t in TREES if trees.get(t) != head.get(t)]
         if differ:
             unknown = [t for t in differ if trees.get(t) is None]
@@ -105,6 +110,22 @@ def why_stale(states: list[dict[str, Any]], head: dict[str, str | None]) -> str 
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _digests_at(commit: str, repo: str) -> dict[str, str | None]:
+    return tree_digests(commit, Path(repo))  # a reference set's hundreds of folders share a few commits
+
+
+def _trees_now(state: dict[str, Any], repo: Path = REPO) -> dict[str, Any]:
+    """A state's tree digests by today's NOT_MEASURING: recomputed from its commit where this clone holds
+    it (a digest recorded before an entry joined NOT_MEASURING counts that entry), else as recorded."""
+    commit = state.get("commit")
+    if isinstance(commit, str) and commit:
+        now = _digests_at(commit, str(repo))
+        if all(now.values()):
+            return now
+    return state.get("trees") or {}
+
+
 def stale_folders(root: Path, repo: Path = REPO) -> list[tuple[Path, str]]:
     """(run folder, why) for every folder under `root` holding a run (provenance.json) whose code is not
     HEAD's. A sweep's per-K or per-B folders are reported once, through their enclosing run folder."""
@@ -114,7 +135,7 @@ def stale_folders(root: Path, repo: Path = REPO) -> list[tuple[Path, str]]:
         run = _run_folder(path.parent)
         if run in out:
             continue
-        why = why_stale(recorded_states(path.parent, repo), head)
+        why = why_stale(recorded_states(path.parent, repo), head, repo)
         if why:
             out[run] = why
     return sorted(out.items())

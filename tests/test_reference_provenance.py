@@ -51,3 +51,49 @@ def test_a_folder_measured_by_other_code_is_reported(tmp_path):
     (results / "none").mkdir()
     (results / "none" / "provenance.json").write_text("{}")
     assert dict((f.name, w) for f, w in stale_folders(results, repo))["none"] == "records no commit"
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, function-level ones included, relative ones resolved."""
+    import ast
+
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names] + [(node.lineno, base)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("specter."):
+            out.append((node.lineno, node.value))  # importlib.import_module("specter....")
+    return out
+
+
+def test_no_measuring_module_imports_the_code_the_digests_leave_out():
+    """NOT_MEASURING is only true while no measurement can run its code: every import in the measuring
+    trees (specter/ less those entries, baselines/) is checked. Two uses are the exceptions they must be:
+    specter.load (the public entry in specter/__init__.py) imports the Python API when a user calls it, and
+    the records writer asks code_provenance for the commit and trees it stores in provenance.json."""
+    from specter.code_provenance import NOT_MEASURING, TREES
+
+    left_out = {x.removesuffix(".py").replace("/", ".") for x in NOT_MEASURING}
+    allowed = {("specter/__init__.py", "specter.api"), ("specter/__init__.py", "specter.api.load"),
+               ("specter/records/output.py", "specter.code_provenance"),
+               ("specter/records/output.py", "specter.code_provenance.code_state"),
+               ("specter/records/output.py", "specter.code_provenance.merged_states")}
+    found = []
+    for tree in TREES:
+        for path in sorted((REPO / tree).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if any(rel == x or rel.startswith(x.removesuffix(".py") + "/") for x in NOT_MEASURING):
+                continue
+            for line, module in _imports(path):
+                hit = next((m for m in left_out if module == m or module.startswith(m + ".")), None)
+                if hit and (rel, module) not in allowed:
+                    found.append(f"{rel}:{line} imports {module}")
+    assert not found, found
+    assert len(left_out) == len(NOT_MEASURING) and all((REPO / x).exists() for x in NOT_MEASURING)
