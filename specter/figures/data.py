@@ -37,6 +37,7 @@ own runs) is read whole.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -278,11 +279,14 @@ class ResultSet:
 
     # ------------------------------------------------------------ other inputs
 
-    def csvs(self, pattern: str) -> list[tuple[Path, pd.DataFrame]]:
+    def csvs(self, pattern: str, folders: Callable[[Path], bool] | None = None) -> list[tuple[Path, pd.DataFrame]]:
         """Every readable CSV matching `pattern`; a side table (routes.csv, trace.csv) in either form,
-        one per folder."""
+        one per folder; with `folders`, only those in a folder it keeps (decided before reading: a
+        reference set holds hundreds of route tables, most of them of K sweeps)."""
         out = []
         for path in (self._side_files(pattern) if pattern in SIDE_NAMES else self.files(pattern)):
+            if folders is not None and not folders(path.parent):
+                continue
             df = read_validated(path)
             if df is not None and not df.empty:
                 out.append((path, df))
@@ -348,6 +352,15 @@ def _schemas() -> dict[str, Any]:
             **{f"{name}.csv": schema for name, schema in SIDE_TABLES.items()}}
 
 
+def _joined(df: pd.DataFrame, columns: list[str]) -> pd.Series:
+    """Each row's `columns` as one "a/b/c" string, column-wise (a row-wise join took minutes per
+    100,000-row route table)."""
+    keys = df[columns[0]].astype(str)
+    for c in columns[1:]:
+        keys = keys + "/" + df[c].astype(str)
+    return keys
+
+
 def read_validated(path: Path) -> pd.DataFrame | None:
     """A result CSV as a DataFrame, or None (with a note) when it cannot be read.
 
@@ -372,7 +385,7 @@ def read_validated(path: Path) -> pd.DataFrame | None:
     if schema.blocks and (path.parent / "records.csv").exists() and set(schema.key) <= set(df.columns):
         finished = finished_keys(path.parent / "records.csv", schema.key)
         if finished is not None:
-            keys = df[list(schema.key)].astype(str).agg("/".join, axis=1)
+            keys = _joined(df, list(schema.key))
             kept = keys.isin(finished)
             if not kept.all():
                 note(f"{path}: {int((~kept).sum())} rows of unfinished records left out")

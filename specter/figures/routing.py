@@ -51,10 +51,9 @@ def _main_grid(results: ResultSet, folder) -> bool:
 
 
 def load_routes(results: ResultSet) -> pd.DataFrame:
-    found = results.csvs("routes.csv")
-    main = [(path, df) for path, df in found if _main_grid(results, path.parent)]
+    main = results.csvs("routes.csv", folders=lambda folder: _main_grid(results, folder))
     frames = []
-    for path, df in main or found:  # a set with routes only outside the main grid still draws
+    for path, df in main or results.csvs("routes.csv"):  # a set with routes only outside the main grid still draws
         if not COLUMNS <= set(df.columns):
             print(f"note: {path} lacks {sorted(COLUMNS - set(df.columns))}; ignored")
             continue
