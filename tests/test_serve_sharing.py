@@ -15,7 +15,7 @@ import torch
 import specter.serve.loop as loop_module
 from specter.serve.loop import MAX_DECODERS, Job, ServingLoop
 from specter.speculative.batch_state import Request
-from specter.speculative.sampling import SamplingParams
+from specter.api import sampling_params
 
 
 class OneTokenPerWindow:
@@ -66,7 +66,7 @@ def _job(loop: ServingLoop, finished: dict[str, int], name: str, temperature: fl
             if done is not None:
                 done.set()
 
-    return Job([1, 2, 3], tokens, SamplingParams(temperature), emit)
+    return Job([1, 2, 3], tokens, sampling_params(temperature, 1.0), emit)  # as the routes build it
 
 
 def _wait(finished: dict[str, int], names: list[str], timeout: float = 30.0) -> None:

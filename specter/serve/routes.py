@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specter.api import sampling_params
 from specter.serve.loop import Job, QueueFull, ServingLoop
 from specter.serve.metrics import CONTENT_TYPE, ServeMetrics
-from specter.serve.schema import ApiError, ChatBody, ChatMessage, CompletionBody, SamplingBody, error_body
+from specter.serve.schema import (ApiError, ChatBody, ChatMessage, CompletionBody, SamplingBody, error_body,
+                                  unhonoured)
 from specter.serve.text import TextStream
 from specter.speculative.sampling import SamplingParams
 
@@ -142,10 +143,9 @@ class Routes:
         if body.model != self.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
-        if body.n != 1:
-            raise ApiError(400, "only n=1 is supported", "n")
-        if body.stop:
-            raise ApiError(400, "stop sequences are not supported; the request ends at EOS or max_tokens", "stop")
+        refused = unhonoured(body)  # one rule for the OpenAI fields this server does not honour (schema.py)
+        if refused is not None:
+            raise refused
         ctx = self.engine.context_length
         if not prompt:
             raise ApiError(400, "the prompt has no tokens", "prompt")

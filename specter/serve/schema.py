@@ -3,7 +3,8 @@ anything reaches the engine thread (specter/serve/app.py describes the refusals)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -23,8 +24,61 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 
 # ---------------------------------------------------------------------------------- request bodies
+# ---------------------------------------------------------------------------------- the OpenAI fields
+# One rule for every field of the OpenAI request types (tests/test_serve_fields.py holds the table to the
+# openai client's own): a field the server honours is declared on the bodies below; a field that only labels
+# a request (LABELS) is accepted and ignored, as it changes no output; any other field of the endpoint is a
+# 400 `unsupported_field` naming it unless its value asks for nothing (null, or a value of NEUTRAL: the
+# OpenAI default); a field the endpoint does not have is a 400 `unknown_field`.
+COMPLETION_FIELDS = frozenset({
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user"})
+CHAT_FIELDS = frozenset({
+    "model", "messages", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "moderation", "n", "parallel_tool_calls",
+    "prediction", "presence_penalty", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
+    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+    "web_search_options"})
+EXTENSIONS = frozenset({"ignore_eos", "return_token_ids"})  # this server's own (docs/serving.md), as vLLM's
+LABELS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_options",
+                    "prompt_cache_retention", "safety_identifier"})
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "frequency_penalty": (0,), "presence_penalty": (0,),
+    "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "suffix": ("",), "stop": ([], ""),
+    "stream_options": ({}, {"include_usage": False}), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
+    "function_call": ("none",), "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
+    "modalities": (["text"],)}
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """`value == neutral`, without Python's True == 1 (n=true is not n=1)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def unhonoured(body: SamplingBody) -> ApiError | None:
+    """The 400 that refuses the first field of `body` the server would not honour, else None."""
+    known = body.OPENAI_FIELDS
+    for name, value in (body.model_extra or {}).items():
+        if name not in known:
+            return ApiError(400, f"{name!r} is not a field of this endpoint (docs/serving.md lists the fields)",
+                            name, "unknown_field")
+        if name in LABELS or value is None or any(_same(value, v) for v in NEUTRAL.get(name, ())):
+            continue
+        accepted = ", ".join(["null", *(json.dumps(v) for v in NEUTRAL.get(name, ()))])
+        return ApiError(400, f"{name}={json.dumps(value)[:60]} is not supported by this server (it accepts "
+                             f"{accepted} only); "
+                             "docs/serving.md lists the fields it honours", name, "unsupported_field")
+    return None
+
+
 class SamplingBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # fields of the OpenAI API this server does not use
+    model_config = ConfigDict(extra="allow")  # the other OpenAI fields: `unhonoured` decides each
+    OPENAI_FIELDS: ClassVar[frozenset[str]] = COMPLETION_FIELDS | EXTENSIONS
 
     model: str
     max_tokens: int | None = None
@@ -33,8 +87,6 @@ class SamplingBody(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)  # the per-record seeds' range (assembly/config.py)
     stream: bool = False
-    n: int = 1
-    stop: str | list[str] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
 
@@ -86,5 +138,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(SamplingBody):
+    OPENAI_FIELDS: ClassVar[frozenset[str]] = CHAT_FIELDS | EXTENSIONS
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
