@@ -76,6 +76,11 @@ def with_default_job(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # a run a script starts in the background inherits SIGINT ignored: take it back, as specter's commands
+    # do (specter/cli.py interruptible), so Ctrl-C or kill -INT stops it with status 130 at every stage
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if _needs_hydra(sys.argv[1:]):
         sys.argv[1:] = with_default_job(sys.argv[1:])
         from specter.assembly.compose import check_optional_groups

@@ -14,8 +14,10 @@ requests (docs/serving.md). Errors a user can fix are one line with exit status 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+from collections.abc import Iterator
 
 GENERATE_KEYS = ("prompt", "ignore_eos")  # generate's own keys; every other key=value is a config override
 
@@ -51,7 +53,23 @@ def _guarded(command, argv: list[str]) -> int:
                 raise
             raise UsageError(str(user)) from None
 
-    return guarded("specter", body)
+    with interruptible():
+        return guarded("specter", body)
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt for the enclosed block, however the command was started.
+
+    A command a script starts in the background inherits SIGINT ignored (a shell without job control
+    does that), and Python then installs no handler of its own: Ctrl-C or `kill -INT` while the model
+    loaded was lost (generate went on and decoded; serve came up and never stopped, since uvicorn only
+    takes the signal once it runs). The command takes SIGINT back for its lifetime, as uvicorn does."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def split_overrides(argv: list[str], own: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
