@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specter.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, BodyLimit, Shutdown
 from specter.serve.loop import ServingLoop
 from specter.serve.metrics import ServeMetrics
+from specter.serve.openapi import truthful_openapi
 from specter.serve.routes import CHECK_S, Routes, chat_prompt
 from specter.serve.schema import ApiError, ChatBody, ChatMessage, CompletionBody, encodable, error_body
 
@@ -60,4 +61,5 @@ def create_app(engine: Any, loop: ServingLoop, metrics: ServeMetrics, drain_time
     app.get("/v1/models")(routes.models)
     app.get("/health")(routes.health)
     app.get("/metrics")(routes.prometheus)
+    app.openapi = lambda: truthful_openapi(app)  # the responses the routes really give (serve/openapi.py)
     return app

@@ -130,7 +130,8 @@ class Routes:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         if err.status_code == 400 and "parsing the body" in str(err.detail):  # e.g. bytes that are not UTF-8
             return self.fail(ApiError(400, "the request body cannot be read as JSON (it must be UTF-8 JSON text)"))
-        return self.fail(ApiError(err.status_code, str(err.detail), kind=kind))
+        # the exception's headers too: a 405 carries Allow, which RFC 9110 requires
+        return self.fail(ApiError(err.status_code, str(err.detail), kind=kind, headers=dict(err.headers or {})))
 
     async def on_unexpected(self, request: Request, err: Exception):
         return self.fail(ApiError(500, f"internal error: {type(err).__name__}: {err}".splitlines()[0],
