@@ -91,3 +91,24 @@ def cli_in_process(args: list[str], capsys) -> tuple[int, str, str]:
         torch.set_num_threads(threads)
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+# a tiny served engine: 64-token context, rtn draft, fast emulated link (what the HTTP tests decode on)
+SERVED_TINY = ["model=tiny_dsv2", "memory=low", "hardware=emulated", "hardware.bandwidth_gbps=20",
+               "hardware.latency_us=5", "method=specter", "method.quant=rtn", "K=4", "model.context_length=64",
+               "prefix_tokens=8", "max_new_tokens=16", "warmup_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def tiny_live_server():
+    """A live `specter serve` of the tiny engine on loopback (specter.serve.server.ThreadedServer)."""
+    pytest.importorskip("fastapi")
+    from specter.serve.build import load
+    from specter.serve.server import ThreadedServer
+
+    served = load(SERVED_TINY)
+    try:
+        with ThreadedServer(served, max_queue=8, drain_timeout_s=10) as srv:
+            yield srv
+    finally:
+        served.close()

@@ -94,19 +94,8 @@ def test_at_the_threshold_decoding_samples():
 
 # ---------------------------------------------------------------------------------- the live server
 @pytest.fixture(scope="module")
-def live():
-    pytest.importorskip("fastapi")
-    from specter.serve.build import load
-    from specter.serve.server import ThreadedServer
-
-    served = load(["model=tiny_dsv2", "memory=low", "hardware=emulated", "hardware.bandwidth_gbps=20",
-                   "hardware.latency_us=5", "method=specter", "method.quant=rtn", "K=4", "model.context_length=64",
-                   "prefix_tokens=8", "max_new_tokens=16", "warmup_tokens=4"])
-    try:
-        with ThreadedServer(served, max_queue=8, drain_timeout_s=10) as srv:
-            yield srv
-    finally:
-        served.close()
+def live(tiny_live_server):
+    return tiny_live_server
 
 
 def _complete(url: str, body: bytes) -> tuple[int, dict]:

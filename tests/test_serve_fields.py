@@ -84,18 +84,8 @@ def test_a_field_of_neither_api_is_refused_by_name():
 
 # ---------------------------------------------------------------------------------- the live server
 @pytest.fixture(scope="module")
-def live():
-    from specter.serve.build import load
-    from specter.serve.server import ThreadedServer
-
-    served = load(["model=tiny_dsv2", "memory=low", "hardware=emulated", "hardware.bandwidth_gbps=20",
-                   "hardware.latency_us=5", "method=specter", "method.quant=rtn", "K=4", "model.context_length=64",
-                   "prefix_tokens=8", "max_new_tokens=8", "warmup_tokens=4"])
-    try:
-        with ThreadedServer(served, max_queue=4, drain_timeout_s=10) as srv:
-            yield srv
-    finally:
-        served.close()
+def live(tiny_live_server):
+    return tiny_live_server
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, dict]:

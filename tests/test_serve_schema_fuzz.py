@@ -20,13 +20,8 @@ schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("fastapi")
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from specter.serve.build import load  # noqa: E402
-from specter.serve.server import ThreadedServer  # noqa: E402
 
 MODEL = "tiny_dsv2"
-SERVED = [f"model={MODEL}", "memory=low", "hardware=emulated", "hardware.bandwidth_gbps=20", "hardware.latency_us=5",
-          "method=specter", "method.quant=rtn", "K=4", "model.context_length=64", "prefix_tokens=8",
-          "max_new_tokens=16", "warmup_tokens=4"]
 EXAMPLES = int(os.environ.get("SPECTER_SCHEMA_EXAMPLES", "8"))
 import schemathesis.specs.openapi.checks  # noqa: E402,F401 - registers the OpenAPI checks
 
@@ -38,13 +33,8 @@ CHECKS = [c for c in schemathesis.checks.CHECKS.get_all() if c.__name__ != "posi
 
 
 @pytest.fixture(scope="module")
-def live():
-    served = load(SERVED)
-    try:
-        with ThreadedServer(served, max_queue=4, drain_timeout_s=10) as srv:
-            yield srv
-    finally:
-        served.close()
+def live(tiny_live_server):
+    return tiny_live_server
 
 
 def test_no_request_from_the_schema_gets_a_5xx_or_hangs(live):
