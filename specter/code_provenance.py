@@ -3,13 +3,15 @@
 A commit alone does not say whether two folders ran the same measuring code (a README edit is a new
 commit); the trees of specter/ and baselines/ do: a tree's digest is the sha256 of its git listing
 (`git ls-tree <commit> specter/`: every entry's object id, so everything under it), less the entries
-of `NOT_MEASURING`: code no measurement imports (tests/test_reference_provenance.py checks every import
-of the measuring trees): specter/figures/ draws CSVs; the entry points for use (specter generate, specter
-serve, specter.load) answer users; this module writes provenance.json's `code` and never a record.
+of `NOT_MEASURING`: code that never changes a record (tests/test_reference_provenance.py checks that
+no measuring module imports it, bar the records writer's call here): specter/figures/ draws CSVs; the
+entry points for use (specter generate, specter serve, specter.load) answer users; this module writes
+provenance.json's `code` and never a record.
 A run records, in its provenance.json (`code`), the commit it ran at, both trees, and per tree whether
 the working copy differed from that commit (`dirty`: then the tree digest is the commit's, and the code
-that ran was something else); a recorded commit this clone holds is judged by today's NOT_MEASURING. `make_figures.py` warns about
-every folder whose trees are not HEAD's (`stale_folders`). Plain git, no torch: figures need none.
+that ran was something else); a recorded commit this clone holds is judged by today's NOT_MEASURING.
+`make_figures.py` warns about every folder whose trees are not HEAD's (`stale_folders`). Plain git, no
+torch: figures need none.
 """
 
 from __future__ import annotations

@@ -99,9 +99,8 @@ class Routes:
         self.engine, self.loop, self.metrics = engine, loop, metrics
         self.tokenizer, self.model_name = engine.tokenizer, engine.name
         cfg = engine.cfg
-        self.default = sampling_params(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
-        # the configured values, not self.default's: greedy drops top_p and top_k, a sampled request reads them
-        self.top_p, self.top_k = float(cfg.top_p), int(cfg.top_k)
+        # the configured values: a request without temperature or top_p takes them (sampling_params decides)
+        self.temperature, self.top_p, self.top_k = float(cfg.temperature), float(cfg.top_p), int(cfg.top_k)
         self.eos = {t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None}
         self.seeds = iter(range(int(cfg.seed), 2**62))  # a request without a seed takes the next one
 
@@ -159,7 +158,7 @@ class Routes:
         if len(prompt) + n > ctx:
             raise ApiError(400, f"max_tokens={n} with a {len(prompt)}-token prompt exceeds this model's context "
                                 f"of {ctx} tokens", "max_tokens", "context_length_exceeded")
-        temperature = self.default.temperature if body.temperature is None else body.temperature
+        temperature = self.temperature if body.temperature is None else body.temperature
         top_p = self.top_p if body.top_p is None else body.top_p
         try:
             params = sampling_params(temperature, top_p, self.top_k)  # one range (specter/api.py)
