@@ -75,34 +75,48 @@ def with_default_job(argv: list[str]) -> list[str]:
     return [*argv, *DEFAULT_JOB]
 
 
+def _hydra_entry(argv: list[str]) -> int:
+    """A Hydra run (one job or a multirun) under the refusal rule; Ctrl-C or SIGTERM at any stage is one
+    line and status 130 / 143 (specter/experiments/cli.py interrupted)."""
+    from specter.entry import interrupt, terminate_as_interrupt
+
+    try:
+        with terminate_as_interrupt():
+            from specter.assembly.compose import check_optional_groups
+            from specter.assembly.config import ConfigError
+            from specter.assembly.errors import report
+
+            try:  # Hydra's multirun skips a missing option of an optional group: refuse it first
+                check_optional_groups([a for a in argv if not a.startswith("-")])
+                moved = _hydra_location_override(argv)
+                if moved:
+                    raise ConfigError(f"{moved}: Hydra's output locations are fixed (each job's files stay in "
+                                      "its output_dir); choose the folder with output_dir=... (and "
+                                      "hydra.sweep.dir=... for a multirun's multirun.yaml)")
+            except ConfigError as err:
+                report(err)
+                return 2
+            hydra_main()
+            interrupt.raise_held()
+            return 0
+    except KeyboardInterrupt as err:
+        from specter.experiments.cli import interrupted
+
+        return interrupted(err)
+
+
 if __name__ == "__main__":
     import signal
 
     # a run a script starts in the background inherits SIGINT ignored: take it back, as specter's commands
-    # do (specter/cli.py interruptible), so Ctrl-C or kill -INT stops it with status 130 at every stage
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # do (specter/cli.py interruptible), so Ctrl-C or kill -INT stops it with status 130 at every stage;
+    # the handler raises at a safe point, never inside an import (specter/entry.py SafePoint)
+    from specter.entry import interrupt
+
+    signal.signal(signal.SIGINT, interrupt)
     if _needs_hydra(sys.argv[1:]):
         sys.argv[1:] = with_default_job(sys.argv[1:])
-        from specter.assembly.compose import check_optional_groups
-        from specter.experiments.cli import interrupted, terminate_as_interrupt
-        from specter.assembly.config import ConfigError
-        from specter.assembly.errors import report
-
-        try:  # Hydra's multirun skips a missing option of an optional group: refuse it first
-            check_optional_groups([a for a in sys.argv[1:] if not a.startswith("-")])
-            moved = _hydra_location_override(sys.argv[1:])
-            if moved:
-                raise ConfigError(f"{moved}: Hydra's output locations are fixed (each job's files stay in its "
-                                  "output_dir); choose the folder with output_dir=... (and hydra.sweep.dir=... "
-                                  "for a multirun's multirun.yaml)")
-        except ConfigError as err:
-            report(err)
-            sys.exit(2)
-        try:
-            with terminate_as_interrupt():
-                hydra_main()
-        except KeyboardInterrupt as err:
-            sys.exit(interrupted(err))
+        sys.exit(_hydra_entry(sys.argv[1:]))
     else:
         from specter.experiments.cli import main
 

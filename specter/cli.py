@@ -64,10 +64,14 @@ def interruptible() -> Iterator[None]:
     A command a script starts in the background inherits SIGINT ignored (a shell without job control
     does that), and Python then installs no handler of its own: Ctrl-C or `kill -INT` while the model
     loaded was lost (generate went on and decoded; serve came up and never stopped, since uvicorn only
-    takes the signal once it runs). The command takes SIGINT back for its lifetime, as uvicorn does."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    takes the signal once it runs). The command takes SIGINT back for its lifetime, as uvicorn does, with
+    a handler that raises at a safe point: never inside an import (specter/entry.py SafePoint)."""
+    from specter.entry import interrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
     try:
         yield
+        interrupt.raise_held()
     finally:
         signal.signal(signal.SIGINT, previous)
 

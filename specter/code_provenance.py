@@ -4,9 +4,11 @@ A commit alone does not say whether two folders ran the same measuring code (a R
 commit); the trees of specter/ and baselines/ do: a tree's digest is the sha256 of its git listing
 (`git ls-tree <commit> specter/`: every entry's object id, so everything under it), less the entries
 of `NOT_MEASURING`: code that never changes a record (tests/test_reference_provenance.py checks that
-no measuring module imports it, bar the records writer's call here): specter/figures/ draws CSVs; the
-entry points for use (specter generate, specter serve, specter.load) answer users; this module writes
-provenance.json's `code` and never a record.
+no measuring module imports it, bar the records writer's call here and specter/entry.py): specter/figures/
+draws CSVs; the entry points for use (specter generate, specter serve, specter.load) answer users;
+specter/entry.py, the refusal and signal rule every command runs under, decides how a command ends and
+imports only the standard library (that test checks it too); this module writes provenance.json's `code`
+and never a record.
 A run records, in its provenance.json (`code`), the commit it ran at, both trees, and per tree whether
 the working copy differed from that commit (`dirty`: then the tree digest is the commit's, and the code
 that ran was something else); a recorded commit this clone holds is judged by today's NOT_MEASURING.
@@ -26,7 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 TREES = ("specter", "baselines")  # the code that measures; docs, configs and figures do not change a record
 NOT_MEASURING = ("specter/figures", "specter/serve", "specter/api.py", "specter/cli.py",  # left out of the digests
-                 "specter/code_provenance.py")
+                 "specter/entry.py", "specter/code_provenance.py")
 PROVENANCE_NAME = "provenance.json"
 
 

@@ -28,8 +28,67 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the command is so that it unwinds as Ctrl-C does."""
 
 
-def _terminate(signum, frame):  # noqa: ARG001 - the signal module's handler signature
-    raise Terminated()
+PACKAGE = os.path.dirname(os.path.abspath(__file__))
+OWN_CODE = [PACKAGE, os.path.join(os.path.dirname(PACKAGE), "baselines")]  # + the running script (_own)
+
+
+class SafePoint:
+    """A signal handler that raises `exception` in the main thread at a safe point: in Specter's own code
+    (specter/, baselines/, the script that runs), never inside an import or a library's bookkeeping.
+
+    A handler's exception lands between any two bytecodes. Inside an import it left a half initialised
+    module (numpy's `dtypes` recursed until a RecursionError, torch aborted with SIGABRT, transformers
+    lost a model class, and torch's import-time registration made the interpreter die by SIGINT after
+    the command had printed its line); inside OmegaConf's flag handling it turned into an AttributeError
+    reported as bad input. So a signal that finds the main thread elsewhere is held, and a profile hook
+    (this thread's only, cleared once it fires) raises it at the next call or return in own code. A second
+    signal while one is held raises at once: a command stuck in a library still stops on the second
+    Ctrl-C. Under a profiler (sys.getprofile() set) it raises at once, as Python's own handler does."""
+
+    def __init__(self, exception: type[BaseException]):
+        self.exception = exception
+        self.held = False
+
+    def __call__(self, signum, frame):  # noqa: ARG002 - the signal module's handler signature
+        if self.held or _safe(frame) or sys.getprofile() not in (None, self._watch):
+            self._raise()
+        self.held = True
+        sys.setprofile(self._watch)
+
+    def _watch(self, frame, event, arg):  # noqa: ARG002 - sys.setprofile's signature
+        if _safe(frame):
+            self._raise()
+
+    def _raise(self):
+        if self.held:
+            sys.setprofile(None)
+        self.held = False
+        raise self.exception()
+
+    def raise_held(self) -> None:
+        """Raise a signal still held when the block it arrived in ends (it would be lost otherwise)."""
+        if self.held:
+            self._raise()
+
+
+def _safe(frame) -> bool:
+    if frame is None or not _own(frame.f_code.co_filename):
+        return False
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return False
+        frame = frame.f_back
+    return True
+
+
+def _own(filename: str) -> bool:
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    roots = [*OWN_CODE, *([os.path.abspath(main)] if main else [])]
+    return any(filename == r or filename.startswith(r + os.sep) for r in roots)
+
+
+interrupt = SafePoint(KeyboardInterrupt)  # SIGINT's handler for every command (Python's raises anywhere)
+_terminate = SafePoint(Terminated)
 
 
 @contextlib.contextmanager
@@ -41,6 +100,7 @@ def terminate_as_interrupt() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         yield
+        _terminate.raise_held()
     finally:
         signal.signal(signal.SIGTERM, previous)
 

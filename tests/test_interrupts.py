@@ -57,3 +57,39 @@ def test_sigint_while_loading_stops_with_130_and_one_line(cmd, prog, tmp_path):
     assert "Traceback" not in err, err[-1500:]
     if prog:
         assert err.rstrip().splitlines()[-1] == f"{prog}: interrupted", err[-800:]
+
+
+@pytest.mark.parametrize("signum,kind", [(signal.SIGINT, "KeyboardInterrupt"), (signal.SIGTERM, "Terminated")])
+def test_a_signal_inside_an_import_is_raised_after_it(signum, kind, tmp_path, monkeypatch):
+    """A signal raised inside an import left half-initialised modules (numpy recursed, torch aborted); the
+    handler holds it while the import runs and raises at the first call in own code after it."""
+    import specter.entry as entry
+    from specter.entry import Terminated, interrupt, terminate_as_interrupt
+
+    monkeypatch.setattr(entry, "OWN_CODE", [*entry.OWN_CODE, str(Path(__file__).parent)])  # this test's loop
+
+    (tmp_path / "slow_module_for_signals.py").write_text(
+        "import os, signal, time\n"
+        f"os.kill(os.getpid(), {int(signum)})\n"
+        "deadline = time.monotonic() + 0.3\n"
+        "while time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "finished = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    previous = signal.signal(signal.SIGINT, interrupt)
+    raised, after_import = None, False
+    try:
+        with terminate_as_interrupt():
+            try:
+                import slow_module_for_signals  # noqa: F401
+                after_import = True
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    time.sleep(0.01)
+            except KeyboardInterrupt as err:
+                raised = err
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.modules.pop("slow_module_for_signals", None)
+    assert after_import and type(raised).__name__ == kind, (after_import, raised)
+    assert isinstance(raised, Terminated) == (signum == signal.SIGTERM)
