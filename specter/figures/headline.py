@@ -32,7 +32,7 @@ import pandas as pd
 from specter.figures import verdict
 from specter.figures.common import Output, Skip, order_methods
 from specter.figures.data import ResultSet, drifted_note
-from specter.figures.lossy import is_lossy, token_match
+from specter.figures.lossy import matches_below_target, token_match
 from specter.figures.tpot_grid import CI_SEED, tpot_table
 from specter.records.paired import flagged_mask, paired_by_prompt
 
@@ -112,7 +112,7 @@ def headline_table(records: pd.DataFrame, reference: str = REFERENCE) -> pd.Data
         paired = paired.merge(means, on=keys, how="left")
     match = token_match(records, ("model", "memory", "variant"))  # per cell: a lossy method's match moves with the model
     paired["token_match"] = [match.get(k) for k in zip(paired["model"], paired["memory"], paired["method"])]
-    paired["lossy"] = [is_lossy(x) for x in paired["token_match"]]
+    paired["lossy"] = [matches_below_target(x) for x in paired["token_match"]]
     summary = []
     for method, g in paired.groupby("method", sort=False):
         summary.append({"model": "ALL", "memory": "ALL", "hardware": ",".join(sorted(set(g["hardware"]))),

@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.lines import Line2D
 
+from specter.assembly.runners import is_method
 from specter.figures.common import (
     TIER_ORDER,
     Output,
@@ -125,7 +126,6 @@ def chosen_profiles(results: ResultSet) -> dict[tuple[str, str, str], tuple[int,
             (int(info["K"]), minimum_at(df, info.get("refused") or ())) for info, df in _sweeps(results, quiet=True)}
 
 
-READS_SPECTERS = ("specter", "moe_spec")  # the methods k_profile= applies to (cell.k_profile_methods)
 
 
 def profile_of(profiles: dict, model: str, memory: str, method: str) -> tuple[int | None, str]:
@@ -133,7 +133,7 @@ def profile_of(profiles: dict, model: str, memory: str, method: str) -> tuple[in
     swept tier (QUICK and REFERENCE sweep the low tier only, and both tiers use it)."""
     if any(k[2] == method for k in profiles):
         owner = method
-    elif method in READS_SPECTERS:
+    elif is_method(method, reads_specter_profile=True):  # Specter's k_profile= applies to it
         owner = "specter"
     else:  # e.g. SpecMoEOff's artifact preset: its K is fixed, it reads no profile
         return None, "reads no K profile (fixed K)"

@@ -7,8 +7,8 @@ timed every copy on the host and paid for writing each event, so its times are n
 method's: it is its own source, "trace", drawn by the timeline figure and the traced-runs
 table, never in Fig. 14 or the headline. Ablations (a `bench` or `ablation` folder, e.g. the
 staging-buffer ablation) are side benchmarks: they keep the main grid to one configuration per
-method, so the headline always finds a bare "specter". A lossy method (`LOSSY_METHODS`) carries
-its token match in its legend label (`legend_label`).
+method, so the headline always finds a bare "specter". A lossy method (`is_lossy`: the registry's `lossy`)
+carries its token match in its legend label (`legend_label`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
+
+from specter.assembly.runners import is_method
 
 # Keys (the last part of a dotted config key) that observe or place a run and do not change it.
 MEASUREMENT_KEYS = ("trace_windows", "progress", "output_dir", "recalibrate", "retime_per_record", "allow_hub",
@@ -57,15 +59,15 @@ def record_source(rel_parts: Sequence[str], method_cfg: Mapping[str, Any]) -> st
     return "main"
 
 
-# Methods whose output is allowed to differ from target-only decoding (by design, not by a tie):
-# they are marked in every legend and kept out of lossless means.
-LOSSY_METHODS = ("moe_spec",)
+
 TOKEN_MATCH = "token_match_fraction"  # the records' column: share of target-only's tokens reproduced
 
 
 def is_lossy(label: str) -> bool:
-    """Whether a method (or a variant label such as 'moe_spec[budget=4]') is lossy by design."""
-    return str(label).split("[", 1)[0] in LOSSY_METHODS
+    """Whether a method (or a variant label such as 'moe_spec[budget=4]') is lossy by design: its output may
+    differ from target-only decoding (not by a tie), the registry's `lossy` fact. Such a method is marked in
+    every legend and kept out of lossless means."""
+    return is_method(str(label).split("[", 1)[0], lossy=True)
 
 
 def split_variant(label: str) -> tuple[str, dict[str, str]]:

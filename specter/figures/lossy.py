@@ -42,10 +42,11 @@ def token_match(records: pd.DataFrame, keys: tuple[str, ...] = ("variant",)) -> 
     return out
 
 
-def is_lossy(match: float | None) -> bool:
+def matches_below_target(match: float | None) -> bool:
+    """Its tokens differ from target-only greedy decoding somewhere (a measured share below 1)."""
     return match is not None and match < 1.0
 
 
 def lossy_label(label: str, match: float | None) -> str:
     """A legend entry: the method's label, with its token match when it is lossy."""
-    return f"{label} (lossy: {match:.0%} token match)" if is_lossy(match) else label
+    return f"{label} (lossy: {match:.0%} token match)" if matches_below_target(match) else label

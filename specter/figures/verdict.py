@@ -23,7 +23,7 @@ projection  from projection.csv (`python run.py experiment=project`, the real mo
             one expert's H2D at or above the rival's TPOT means the cell cannot be won by residency.
 
 Rivals: every method but Specter itself (and its variants), target_only (every expert resident: not offloading)
-and lossy methods (token match with target_only below 1, or lossy by design: `labels.LOSSY_METHODS`). Tiny proxies
+and lossy methods (token match with target_only below 1, or lossy by design: the registry's `lossy`). Tiny proxies
 map to the real models they mirror (`common.REAL_OF_TINY`).
 """
 
@@ -34,12 +34,12 @@ import math
 import numpy as np
 import pandas as pd
 
+from specter.assembly.runners import is_method
 from specter.figures.common import REAL_OF_TINY, base_method, method_label, order_models, order_tiers
 from specter.figures.labels import is_lossy as lossy_by_design
 from specter.records.paired import flagged_mask, prompt_medians
 
 REFERENCE = "specter"
-NOT_OFFLOADING = ("target_only",)  # every expert resident: no offloading rival
 NO_PROJECTION = "no projection in the results"
 NO_RECORDS = "no CPU records of Specter and a lossless offloading rival"
 DEVICE = "a100_40gb_pcie4"  # the paper's machine
@@ -49,7 +49,8 @@ TINY_OF_REAL = {real: tiny for tiny, real in REAL_OF_TINY.items()}
 def is_rival(method: str, lossy: bool = False) -> bool:
     """A lossless offloading method other than Specter."""
     base = base_method(method)
-    return base != REFERENCE and base not in NOT_OFFLOADING and not lossy and not lossy_by_design(base)
+    all_resident = is_method(base, slots_rule="all")  # every expert on the device: no offloading rival
+    return base != REFERENCE and not all_resident and not lossy and not lossy_by_design(base)
 
 
 def _num(x) -> float:
