@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
     from specter.assembly.runtime import model_checkpoint
-    from specter.serve.build import compose_checked
+    from specter.api import compose_checked
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

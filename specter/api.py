@@ -10,13 +10,16 @@
 
 `load` takes the config groups and keys of `python run.py` as keyword arguments (a dotted key as
 ``**{"method.quant": "rtn"}``) and builds one Method through `load_overrides`, as `specter generate`
-and `specter serve` do (specter/serve/build.py: the same schema and checks, warm-up and link
-calibration). `generate` decodes its prompts together through the method's batched request loop (specter, the methods built
-on its engine, target_only, offload_ar), at most the memory tier's largest fitting batch at a time,
-and one by one for a method without one. Bad input raises the project's one-line exceptions
+and `specter serve` do (`build_served` below: the same schema and checks, warm-up and link
+calibration). `generate` decodes its prompts together through the method's batched request loop
+(specter, the methods built on its engine, target_only, offload_ar), at most the memory tier's largest
+fitting batch at a time, and one by one for a method without one. Bad input raises the project's one-line exceptions
 (ConfigError and the other user errors of specter/assembly/errors.py) before anything decodes.
 `specter generate` is this module's `stream` on the command line, and `specter serve` answers HTTP
-requests over an Engine (specter/cli.py).
+requests over an Engine (specter/cli.py). The HTTP server sits on this module, never the other way:
+specter/serve imports its loading (`build_served`, `compose_checked`, `MAX_BATCH`), its request loops
+(`batch_loop`), its text pieces (`TextStream`) and its sampling range from here, and nothing here imports
+specter.serve (tests/test_api_layering.py).
 """
 
 from __future__ import annotations
@@ -25,9 +28,18 @@ import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from specter.assembly.config import SEED_LIMIT, ConfigError
+
+if TYPE_CHECKING:  # torch, OmegaConf and the decoders load when a function needs them, not on import
+    from omegaconf import DictConfig
+
+    from specter.speculative.batched import BatchLoop
+    from specter.speculative.sampling import SamplingParams
+
+MAX_BATCH = 32  # the largest batch the batched decoders are tested at (tests/test_batched.py)
 
 
 # The sampling range every entry point that serves (specter generate, specter.load, specter serve) shares.
@@ -178,20 +190,162 @@ def load(model: str | None = None, memory: str | None = None, method: str | None
 def load_overrides(overrides: list[str], *, max_batch: int | None = None, warm: bool = True) -> Engine:
     """An Engine from Hydra override strings as the command line gives them ("model=tiny_dsv2", "K=8"):
     the one builder behind `load`, `specter generate` and `specter serve`."""
-    from specter.serve.build import MAX_BATCH
-    from specter.serve.build import load as build
+    return Engine(build_served(overrides, max_batch=max_batch or MAX_BATCH, warm=warm))
 
-    return Engine(build(overrides, max_batch=max_batch or MAX_BATCH, warm=warm))
+
+# One Method for interactive use, built as `python run.py` builds it: the same config groups, the same typed
+# schema and checks, the same warm-up outside any timing, the same link calibration.
+@dataclass
+class Served:
+    """A loaded method with what serving it needs."""
+
+    cfg: DictConfig
+    checkpoint: Path
+    method: Any  # specter.assembly.methods.Method
+    tokenizer: Any  # a transformers tokenizer
+    context_length: int
+    max_batch: int  # requests decoded together: the tier's largest fitting batch, at most MAX_BATCH
+
+    @property
+    def name(self) -> str:
+        """The model name clients send (`model` field): the config's model name."""
+        return str(self.cfg.model.name)
+
+    def close(self) -> None:
+        self.method.close()
+
+
+def compose_checked(overrides: list[str]) -> DictConfig:
+    """The run configuration of `overrides`, refused with a one-line ConfigError as run.py refuses it."""
+    from specter.assembly.compose import check_optional_groups
+    from specter.assembly.compose import compose
+    from specter.assembly.config import check_home, resident_experts, unknown_keys, validate
+    from specter.assembly.errors import composition_error
+    from specter.assembly.runtime import device_and_dtype
+
+    try:
+        cfg = compose(overrides) if overrides else _plain_config()
+    except Exception as err:  # noqa: BLE001 - Hydra/OmegaConf raise many types for a bad override
+        raise composition_error(err) from None
+    check_optional_groups(overrides)
+    unknown = unknown_keys(cfg)  # `+typo=1` would be accepted and never used
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {unknown}: not in the configuration schema "
+                          "(specter/assembly/schema.py); check the spelling")
+    check_home()  # SPECTER_HOME a file: one line, not a NotADirectoryError from deep in a build
+    validate(cfg)
+    resident_experts(cfg)
+    device_and_dtype(cfg)
+    return cfg
+
+
+def _plain_config() -> DictConfig:
+    """conf/config.yaml with no override: `compose([])` would give run.py's default job (the comparison)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from specter.assembly.compose import CONF_DIR, resolve_hardware
+    from specter.assembly.schema import register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return resolve_hardware(hydra_compose(config_name="config", overrides=[]))
+
+
+def largest_fitting_batch(method: Any, cap: int = MAX_BATCH) -> int:
+    """The memory plan's number: the largest B whose footprint fits the tier's budget (experiment=batch
+    refuses larger ones with the same number), at most ``cap``; ``cap`` where no budget applies."""
+    from specter.assembly.sizing import footprint_at, largest_batch
+
+    rt = method.rt
+    one = footprint_at(method, 1)
+    if rt is None or one is None:
+        return cap
+    fits = largest_batch(one, footprint_at(method, 2), rt.budget_bytes)
+    if fits < 1:
+        raise ConfigError(f"method {method.name!r}: not even one request fits the budget of "
+                          f"{rt.budget_bytes / 2**20:.2f} MB")
+    return int(min(cap, fits))
+
+
+def build_served(overrides: list[str], *, max_batch: int = MAX_BATCH, warm: bool = True) -> Served:
+    """Compose, build the method, warm it up (outside timing) and re-time an emulated link, as run.py does."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from specter.assembly.load_ratio import calibrate_after_warmup
+    from specter.assembly.methods import build_method
+    from specter.assembly.runtime import model_checkpoint
+    from specter.quiet import quiet_loggers, set_verbose
+    from specter.speculative.sampling import make_generator
+
+    cfg = compose_checked(overrides)
+    if cfg.hardware.get("threads"):
+        torch.set_num_threads(int(cfg.hardware.threads))
+    checkpoint = model_checkpoint(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    if cfg.verbose:
+        set_verbose(True)
+    else:
+        quiet_loggers()
+    method = build_method(cfg, checkpoint)
+    try:
+        batch = largest_fitting_batch(method, max_batch)
+        if warm and cfg.warmup_tokens > 0:  # kernels, allocator, caches, the planner's estimates
+            ids = tokenizer("def warm_up(x):", add_special_tokens=False).input_ids or [1]
+            method.generate(torch.tensor([ids], device=method.device), int(cfg.warmup_tokens),
+                            make_generator(method.device, 0))
+            method.warmed()
+            calibrate_after_warmup(cfg, checkpoint, method)
+            method.reset()
+    except BaseException:
+        method.close()
+        raise
+    return Served(cfg, checkpoint, method, tokenizer, int(cfg.model.context_length), batch)
+
+
+# ---------------------------------------------------------------------------------- request loops and text
+def batch_loop(method: Any, params: SamplingParams) -> BatchLoop:
+    """A request loop over `method`'s model with `params`: the speculative engine for specter (and the
+    methods built on it), batched autoregressive decoding for target_only and offload_ar."""
+    from specter.assembly.methods import OffloadAR, TargetOnly
+    from specter.speculative.batched import BatchedAutoregressive
+
+    if method.engine is not None:
+        return method.make_engine(params)  # the spec's engine; the request's own sampling replaces the spec's
+    if isinstance(method, OffloadAR):
+        rt = method.rt
+        return BatchedAutoregressive(rt.model, params, moe=rt.moe, num_experts=rt.om.num_experts)
+    if isinstance(method, TargetOnly):
+        return BatchedAutoregressive(method.model, params)
+    raise ConfigError(f"method {method.name!r} has no batched request loop to serve from; "
+                      "serve specter, target_only or offload_ar")
+
+
+class TextStream:
+    """Text of a growing token sequence, released piece by piece once its bytes form whole characters.
+
+    The whole sequence is decoded each time (not token by token): tokenizers merge spaces and byte
+    pieces across token boundaries, so per-token decoding can differ from decoding the sequence."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+            return ""
+        out, self.sent = text[self.sent:], len(text)
+        return out
 
 
 # ---------------------------------------------------------------------------------- the engine
 class Engine:
     """A loaded method: `generate`, `stream`, `close` (also a context manager)."""
 
-    def __init__(self, served: Any):
-        from specter.serve.loop import batch_loop
-
-        self.served = served  # specter.serve.build.Served
+    def __init__(self, served: Served):
+        self.served = served
         self._closed = False
         try:  # the methods with a batched request loop decode several prompts together
             batch_loop(served.method, served.method.params)
@@ -328,8 +482,6 @@ class Engine:
     def _batched(self, job: _Job, on_piece) -> Iterator[Completion | None]:
         import torch
 
-        from specter.serve.loop import batch_loop
-        from specter.serve.text import TextStream
         from specter.speculative.sampling import make_generator
 
         method, device = self.method, self.method.device

@@ -105,10 +105,9 @@ def _flag(settings: dict[str, str], key: str) -> bool:
 def generate_main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
-    from specter.api import load_overrides
+    from specter.api import compose_checked, load_overrides
     from specter.assembly.config import ConfigError
     from specter.assembly.runtime import model_checkpoint
-    from specter.serve.build import compose_checked
 
     overrides, settings = split_overrides(argv, GENERATE_KEYS)
     if not settings.get("prompt"):
@@ -141,10 +140,9 @@ def generate_main(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------- serve
 def serve_main(argv: list[str]) -> int:
-    from specter.api import load_overrides
+    from specter.api import MAX_BATCH, compose_checked, load_overrides
     from specter.entry import OneLineParser, bounded
     from specter.assembly.config import ConfigError
-    from specter.serve.build import MAX_BATCH, compose_checked
     from specter.serve.limits import BODY_TIMEOUT_S
     from specter.serve.server import (HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, bind_socket, is_loopback,
                                       make_server)

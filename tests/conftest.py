@@ -103,7 +103,7 @@ SERVED_TINY = ["model=tiny_dsv2", "memory=low", "hardware=emulated", "hardware.b
 def tiny_live_server():
     """A live `specter serve` of the tiny engine on loopback (specter.serve.server.ThreadedServer)."""
     pytest.importorskip("fastapi")
-    from specter.serve.build import load
+    from specter.api import build_served as load
     from specter.serve.server import ThreadedServer
 
     served = load(SERVED_TINY)

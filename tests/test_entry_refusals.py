@@ -89,13 +89,13 @@ def test_an_address_not_of_this_machine_is_one_line_without_a_banner(capsys):
 
 
 def test_a_non_loopback_host_is_warned_about(monkeypatch, capsys):
-    import specter.serve.build as build
+    import specter.api as api
     from specter.assembly.config import ConfigError
 
     def stop(*args, **kwargs):
         raise ConfigError("stopped before loading")
 
-    monkeypatch.setattr(build, "load", stop)
+    monkeypatch.setattr(api, "build_served", stop)
     rc, out, err = run_specter(["serve", "--host", "0.0.0.0", "--port", "0", *TINY], capsys)
     assert "stopped before loading" in one_line(rc, err)
     assert "exposes the server to the network" in err and "http://" not in out
@@ -153,7 +153,7 @@ def test_a_sigterm_before_uvicorn_takes_the_signals_still_stops_the_server(monke
             closed.append(True)
 
     ran, closed = [], []
-    monkeypatch.setattr("specter.serve.build.compose_checked", lambda overrides: None)
+    monkeypatch.setattr("specter.api.compose_checked", lambda overrides: None)
     monkeypatch.setattr("specter.api.load_overrides", lambda overrides, max_batch: FakeEngine())
     monkeypatch.setattr(server_mod, "make_server", lambda *a, **k: type("P", (), {"server": FakeServer(),
                                                                                   "loop": FakeLoop()})())

@@ -8,7 +8,7 @@ import torch
 
 from specter.cli import main
 from specter.assembly.methods import build_method
-from specter.serve.build import compose_checked
+from specter.api import compose_checked
 
 COMMON = ["model=tiny_dsv2", "memory=low", "hardware=emulated", "hardware.bandwidth_gbps=20", "hardware.latency_us=5",
           "warmup_tokens=4"]

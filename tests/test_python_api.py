@@ -27,9 +27,9 @@ def target_only_tokens(prompts: list[str], n: int) -> list[list[int]]:
     """target_only's greedy tokens, built outside the API, cut at EOS as the API cuts them."""
     from transformers import AutoTokenizer
 
+    from specter.api import compose_checked
     from specter.assembly.methods import build_method
     from specter.assembly.runtime import model_checkpoint
-    from specter.serve.build import compose_checked
 
     cfg = compose_checked(["model=tiny_dsv2", "memory=low", "method=target_only"])
     ck = model_checkpoint(cfg)

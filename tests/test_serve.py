@@ -18,9 +18,10 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from specter.api import build_served as load  # noqa: E402
+from specter.api import compose_checked  # noqa: E402
 from specter.assembly.methods import build_method  # noqa: E402
 from specter.serve.app import ChatMessage, chat_prompt  # noqa: E402
-from specter.serve.build import compose_checked, load  # noqa: E402
 from specter.serve.loop import Job, QueueFull, ServingLoop  # noqa: E402
 from specter.serve.server import ThreadedServer  # noqa: E402
 from specter.speculative.sampling import SamplingParams  # noqa: E402

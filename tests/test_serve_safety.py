@@ -21,9 +21,9 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from specter.api import build_served as load  # noqa: E402
 from specter.models.loading import load_full_model  # noqa: E402
 from specter.serve.app import MAX_BODY_BYTES, create_app  # noqa: E402
-from specter.serve.build import load  # noqa: E402
 from specter.serve.loop import Job, QueueFull, ServingLoop  # noqa: E402
 from specter.serve.metrics import ServeMetrics  # noqa: E402
 from specter.serve.server import ThreadedServer  # noqa: E402

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from specter.serve.build import load  # noqa: E402
+from specter.api import build_served as load  # noqa: E402
 from specter.serve.server import ThreadedServer  # noqa: E402
 
 MODEL = "tiny_dsv2"

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from specter.assembly.config import ConfigError
+from specter.api import batch_loop
 from specter.speculative.batch_state import Request
-from specter.speculative.batched import BatchedAutoregressive, BatchLoop
+from specter.speculative.batched import BatchLoop
 from specter.speculative.sampling import SamplingParams, make_generator
 
 MAX_DECODERS = 4  # distinct sampling settings decoding at once (each its own rows and draft state)
@@ -48,22 +48,6 @@ class QueueFull(RuntimeError):
     def __init__(self, message: str, retry_after: int = 1):
         super().__init__(message)
         self.retry_after = retry_after
-
-
-def batch_loop(method: Any, params: SamplingParams) -> BatchLoop:
-    """A request loop over `method`'s model with `params`: the speculative engine for specter (and the
-    methods built on it), batched autoregressive decoding for target_only and offload_ar."""
-    from specter.assembly.methods import OffloadAR, TargetOnly
-
-    if method.engine is not None:
-        return method.make_engine(params)  # the spec's engine; the request's own sampling replaces the spec's
-    if isinstance(method, OffloadAR):
-        rt = method.rt
-        return BatchedAutoregressive(rt.model, params, moe=rt.moe, num_experts=rt.om.num_experts)
-    if isinstance(method, TargetOnly):
-        return BatchedAutoregressive(method.model, params)
-    raise ConfigError(f"method {method.name!r} has no batched request loop to serve from; "
-                      "serve specter, target_only or offload_ar")
 
 
 @dataclass(eq=False)  # identity: two requests with the same prompt and settings are different jobs

@@ -16,12 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specter.api import sampling_params
+from specter.api import TextStream, sampling_params
 from specter.serve.loop import Job, QueueFull, ServingLoop
 from specter.serve.metrics import CONTENT_TYPE, ServeMetrics
 from specter.serve.schema import (ApiError, ChatBody, ChatMessage, CompletionBody, SamplingBody, error_body,
                                   unhonoured)
-from specter.serve.text import TextStream
 from specter.speculative.sampling import SamplingParams
 
 CHECK_S = 0.5  # how often a request's connection is checked while it decodes

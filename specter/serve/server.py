@@ -106,7 +106,7 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_q
                 drain_timeout_s: float = 600.0, log_level: str = "warning", header_timeout_s: float = HEADER_TIMEOUT_S,
                 body_timeout_s: float = BODY_TIMEOUT_S, keep_alive_s: int = KEEP_ALIVE_S,
                 max_connections: int = MAX_CONNECTIONS) -> ServerParts:
-    """The server of `engine` (a `specter.api.Engine`, or the `specter.serve.build.Served` it wraps: the same
+    """The server of `engine` (a `specter.api.Engine`, or the `specter.api.Served` it wraps: the same
     name, method, max_batch, tokenizer, cfg and context_length); closing the engine stays the caller's.
     SIGTERM ends within `drain_timeout_s` in all: uvicorn's wait for in-flight requests and the engine's
     drain share it, and a client still sending its headers or body is refused at once."""
