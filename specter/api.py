@@ -217,8 +217,7 @@ class Served:
 
 def compose_checked(overrides: list[str]) -> DictConfig:
     """The run configuration of `overrides`, refused with a one-line ConfigError as run.py refuses it."""
-    from specter.assembly.compose import check_optional_groups
-    from specter.assembly.compose import compose
+    from specter.assembly.compose import check_optional_groups, compose
     from specter.assembly.config import check_home, resident_experts, unknown_keys, validate
     from specter.assembly.errors import composition_error
     from specter.assembly.runtime import device_and_dtype
