@@ -32,7 +32,8 @@ def _row(model, memory, method, tpot, paper="", source="engine", device="a100_40
 
 @pytest.fixture
 def titles(monkeypatch):
-    """Figure name -> every axes' title, captured as each figure is saved."""
+    """Figure name -> every axes' title, captured as each figure is saved; "<name>:texts" -> the figure's own
+    texts (its caption)."""
     from specter.figures.common import Output
 
     seen: dict[str, list[str]] = {}
@@ -40,6 +41,7 @@ def titles(monkeypatch):
 
     def figure(self, fig, name):
         seen[name] = [ax.get_title(loc="left") for ax in fig.axes]
+        seen[name + ":texts"] = [t.get_text() for t in fig.texts]
         save(self, fig, name)
 
     monkeypatch.setattr(Output, "figure", figure)
@@ -151,5 +153,7 @@ def test_projected_alpha_curve_marks_the_papers_alpha(tmp_path, titles):
     projected_alpha.build(ResultSet(tmp_path / "res", tmp_path / "no-paper"), out)
     assert {"fig_projected_alpha", "table_projected_alpha"} <= {p.stem for p in out.written}
     drawn = [t for t in titles["fig_projected_alpha"] if t]
-    assert drawn and all(A100 in t and "drafts per point" in t for t in drawn)  # each point names its draft
+    assert drawn and all(A100 in t for t in drawn)
+    note = " ".join(titles["fig_projected_alpha:texts"])  # the caption: a model, each point one draft
+    assert "model, not a measurement" in note and A100 in note and "one draft" in note, note
     assert projected_alpha.paper_alpha(ResultSet(tmp_path / "res")) == pytest.approx(0.9663)

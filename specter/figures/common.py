@@ -7,6 +7,7 @@ figures can be drawn from an unpacked artifact without torch.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,85 @@ def legend_above(fig, handles, labels, ncol: int | None = None) -> None:
             return
         legend.remove()
         ncol -= 1
+
+
+def wrap(text: str, width_in: float, fontsize: float = 10.0, bold: bool = True) -> str:
+    """`text` broken into lines of at most the characters that fit `width_in` inches at `fontsize` points
+    (an average glyph of the sans face is about 0.6 em wide bold, 0.55 em regular); existing line breaks are
+    kept. Panel titles that name a device and a draft are longer than their panel: unbroken, they print over
+    the next panel."""
+    chars = max(12, int(width_in * 72 / ((0.6 if bold else 0.55) * fontsize)))
+    return "\n".join(textwrap.fill(line, chars, break_on_hyphens=False) for line in str(text).splitlines())
+
+
+def caption(fig, text: str, fontsize: float = 7.5):
+    """A caption below everything the figure draws, wrapped to its width; call it after the layout is final
+    (tight_layout, legend_above). What a figure is (e.g. a model, not a measurement) reads here in one place
+    instead of lengthening every panel title."""
+    fig.canvas.draw()  # the tick labels' extents exist only once drawn
+    renderer = fig.canvas.get_renderer()
+    bottom = min(0.0, fig.get_tightbbox(renderer).y0 / fig.get_figheight())
+    return fig.text(0.01, bottom - 0.01, wrap(text, fig.get_figwidth() * 0.98, fontsize, bold=False), ha="left",
+                    va="top", fontsize=fontsize, color="#333333")
+
+
+def thin_tick_labels(fig, axes: Sequence) -> None:
+    """Blank every tick label of each axis in `axes` (x axes) that would touch the one kept before it (uneven
+    ticks such as K = 4, 8, 16, 32: the small ones crowd); the ticks themselves stay. Call it once the layout is
+    final."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for axis in axes:
+        last = None
+        for label in axis.get_ticklabels():
+            if not label.get_visible() or not label.get_text():
+                continue
+            box = label.get_window_extent(renderer)
+            if last is not None and box.x0 <= last.x1 + 2:
+                label.set_visible(False)
+                continue
+            last = box
+
+
+# Offsets (points) tried in turn for a point's label: beside it first, then further out with a leader line.
+LABEL_OFFSETS = tuple((dx * r, dy * r) for r in (1, 2, 3, 4.5) for dx, dy in
+                      ((4, 3), (4, -9), (-4, 3), (-4, -9), (0, 6), (0, -13), (8, -3), (-8, -3)))
+
+
+def place_labels(ax, points: Sequence[tuple[float, float, str]], fontsize: float = 6, color: str = "#222222",
+                 ) -> list:
+    """Label data points without printing one label over another or over the axes' other texts: each label
+    takes the first offset of LABEL_OFFSETS where its box lies inside the axes and clear of every text placed
+    so far (a leader line when it sits away from its point); a label with no free place joins the nearest
+    placed label's text. Call it once the layout is final (positions are in pixels). Returns the labels."""
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    taken = [t.get_window_extent(renderer) for t in ax.texts if t.get_visible() and t.get_text().strip()]
+    placed: list = []
+
+    def fits(box) -> bool:
+        inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+        return inside and not any(box.overlaps(b) for b in taken)
+
+    for x, y, text in points:
+        for dx, dy in LABEL_OFFSETS:
+            far = abs(dx) > 8 or abs(dy) > 13
+            label = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=fontsize,
+                                color=color, ha="left" if dx > 0 else "right" if dx < 0 else "center",
+                                arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "#777777"} if far else None)
+            box = label.get_window_extent(renderer)
+            if fits(box):
+                taken.append(box)
+                placed.append(label)
+                break
+            label.remove()
+        else:  # crowded: name it beside its nearest neighbour's label rather than over it
+            nearest = min(placed, key=lambda t: (t.xy[0] - x) ** 2 + (t.xy[1] - y) ** 2, default=None)
+            if nearest is not None:
+                nearest.set_text(f"{nearest.get_text()}, {text}")
+    return placed
 
 
 def grouped_bars(ax, categories: list, series: list[str], table: pd.DataFrame, by: str, index: str, value: str,

@@ -24,14 +24,18 @@ from matplotlib.lines import Line2D
 
 from specter.assembly.runners import is_method
 from specter.figures.common import (
+    MODEL_LABELS,
     TIER_ORDER,
     Output,
     Skip,
+    caption,
     legend_above,
     model_label,
     order_models,
     style_axes,
     subplots,
+    thin_tick_labels,
+    wrap,
 )
 from specter.figures.data import ResultSet
 
@@ -180,6 +184,55 @@ def build(results: ResultSet, out: Output) -> None:
     out.table(table, NAME, TITLE, notes=["chosen: the K that k_profile.json recorded (lowest mean TPOT). minimum: "
                                          "interior, or at an edge of the swept range (then widen the range; a K past the largest one the memory "
                                          "tier holds is listed in refused and cannot be widened into)."])
+    _figure(results, table, out)
+
+
+def paper_k(results: ResultSet) -> dict[str, int]:
+    """The paper's chosen K per real model (results/paper/k_profile.csv), {} without the file."""
+    path = results.paper / "k_profile.csv" if results.paper is not None else None
+    if path is None or not path.is_file():
+        return {}
+    df = pd.read_csv(path)
+    return {str(m): int(k) for m, k in zip(df["model"], df["K"])} if {"model", "K"} <= set(df.columns) else {}
+
+
+def sweep_basis(results: ResultSet) -> str:
+    """What the sweeps measured, from their K=<k> runs' config.yaml: datasets, prompts, repeats, new tokens,
+    hardware ("" when no run folder is there to say)."""
+    seen = []
+    for path, _ in results.csvs("k_sweep.csv"):
+        runs = sorted(path.parent.glob("K=*/config.yaml"))
+        if not runs:
+            continue
+        cfg = results.config(runs[0].parent)
+        name = lambda key: (cfg.get(key) or {}).get("name") if isinstance(cfg.get(key), dict) else cfg.get(key)
+        if name("method") not in (None, "specter"):  # another method's own profile: not drawn (sweep_table)
+            continue
+        parts = [f"{str(name('dataset')).replace(',', ', ')} prompts" if name("dataset") else None,
+                 f"{cfg['num_prompts']} prompts per dataset" if cfg.get("num_prompts") else None,
+                 f"{cfg['repeats']} repeat(s)" if cfg.get("repeats") else None,
+                 f"{cfg['max_new_tokens']} new tokens each" if cfg.get("max_new_tokens") else None,
+                 f"hardware: {name('hardware')}" if name("hardware") else None]
+        basis = ", ".join(p for p in parts if p)
+        if basis and basis not in seen:
+            seen.append(basis)
+    return "; ".join(seen)
+
+
+def _chosen_line(table: pd.DataFrame, model: str) -> str:
+    """'chosen K: high 32, low 64 (edge)' for one model's sweeps."""
+    chosen = []
+    for (tier, hardware), d in table[table["model"] == model].groupby(["memory", "hardware"], sort=False):
+        best = d[d["chosen"]]
+        if best.empty:
+            continue
+        edge = " (edge)" if str(d["minimum"].iloc[0]).startswith("edge") else ""
+        chosen.append((TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER), f"{tier} "
+                       f"{int(best['K'].iloc[0])}{edge}"))
+    return "chosen K: " + ", ".join(c for _, c in sorted(chosen)) if chosen else ""
+
+
+def _figure(results: ResultSet, table: pd.DataFrame, out: Output) -> None:
     models = order_models(table["model"])
     acc = next((c for c in ACCEPTANCE if c in table.columns and table[c].notna().any()), None)
     has_acc = acc is not None
@@ -187,28 +240,29 @@ def build(results: ResultSet, out: Output) -> None:
     series = sorted({(m, h) for m, h in zip(table["memory"], table["hardware"])},
                     key=lambda t: (TIER_ORDER.index(t[0]) if t[0] in TIER_ORDER else len(TIER_ORDER), t))
     colors = {s: TIER_COLORS.get(s[0], EXTRA_COLORS[i % len(EXTRA_COLORS)]) for i, s in enumerate(series)}
+    papers = paper_k(results)
     for c, model in enumerate(models):
         for s in series:
             d = table[(table["model"] == model) & (table["memory"] == s[0]) & (table["hardware"] == s[1])]
             if d.empty:
                 continue
             color = colors[s]
-            ax = axes[0][c]
-            ax.plot(d["K"], d["mean_tpot_ms"], marker="o", ms=3.5, color=color, lw=1.4)
             best = d[d["chosen"]]
-            ax.scatter(best["K"], best["mean_tpot_ms"], s=140, marker="*", color=color, edgecolors="black",
-                       linewidths=0.6, zorder=5)
-            edge = str(d["minimum"].iloc[0]).startswith("edge")
-            for k, y in zip(best["K"], best["mean_tpot_ms"]):
-                right = k == d["K"].max()  # at the right edge: label leftwards, inside the axes
-                ax.annotate(f"K={int(k)}" + (" (edge)" if edge else ""), (k, y), textcoords="offset points",
-                            xytext=(-6 if right else 0, 8), ha="right" if right else "center", fontsize=7,
-                            color=color)
-            if has_acc:
-                axes[1][c].plot(d["K"], d[acc], marker="o", ms=3.5, color=color, lw=1.4)
-                axes[1][c].scatter(best["K"], best[acc], s=140, marker="*", color=color,
-                                   edgecolors="black", linewidths=0.6, zorder=5)
-        style_axes(axes[0][c], model_label(model).replace(" (", "\n(", 1),
+            rows = [(axes[0][c], "mean_tpot_ms")] + ([(axes[1][c], acc)] if has_acc else [])
+            for ax, column in rows:
+                ax.plot(d["K"], d[column], marker="o", ms=3.5, color=color, lw=1.4)
+                ax.scatter(best["K"], best[column], s=140, marker="*", color=color, edgecolors="black",
+                           linewidths=0.6, zorder=5)
+        # the chosen K in words in the title, not beside its star: two tiers' stars often share a K or sit
+        # a few pixels apart, and their labels printed over each other and over the tick labels
+        family = results.family(str(model))
+        paper = papers.get(family)
+        lines = [model_label(model), _chosen_line(table, model)]
+        if paper is not None:
+            lines.append(f"paper's K ({MODEL_LABELS.get(family, family)}): {paper}")
+            for ax in axes[:, c]:
+                ax.axvline(paper, color="#555555", lw=1.0, ls="--", zorder=1)
+        style_axes(axes[0][c], wrap("\n".join(l for l in lines if l), fig.get_figwidth() / len(models) - 0.5, 9),
                    ylabel="mean TPOT (ms/token)" if c == 0 else None)
         axes[0][c].title.set_fontsize(9)
         if has_acc:
@@ -216,10 +270,22 @@ def build(results: ResultSet, out: Output) -> None:
         else:
             axes[0][c].set_xlabel("speculation depth K")
         ks = sorted(table.loc[table["model"] == model, "K"].unique())
+        # every swept K ticked; K=4 and K=8 sit a few pixels apart, so thin_tick_labels (below) blanks a crowded label
         axes[-1][c].set_xticks(ks, [str(int(k)) for k in ks], fontsize=7)
     handles = [Line2D([], [], color=colors[s], marker="o", lw=1.4) for s in series]
     handles.append(Line2D([], [], color="black", marker="*", lw=0, ms=10))
-    labels = [f"{m} memory ({h})" if h else f"{m} memory" for m, h in series] + ["chosen K"]
-    legend_above(fig, handles, labels)
+    labels = [f"{m} memory ({h})" if h else f"{m} memory" for m, h in series] + ["chosen K (lowest mean TPOT)"]
+    if papers:
+        handles.append(Line2D([], [], color="#555555", lw=1.0, ls="--"))
+        labels.append("the paper's chosen K for the real model (Fig. 7)")
+    legend_above(fig, handles, labels, ncol=4)
     fig.tight_layout()
+    thin_tick_labels(fig, [ax.xaxis for ax in axes[-1]])
+    basis = sweep_basis(results)
+    records = pd.to_numeric(table.get("records"), errors="coerce").dropna() if "records" in table else pd.Series()
+    per_k = (f"{int(records.min())}" if records.min() == records.max() else
+             f"{int(records.min())}-{int(records.max())}") if len(records) else "the"
+    caption(fig, f"Measured: the mean TPOT of {per_k} records per K (mean_tpot_ms of k_sweep.csv; one record = one "
+                 f"prompt's decode) and their acceptance{f' ({acc})' if acc else ''}" + (f"; {basis}" if basis else "")
+            + ". (edge): the lowest mean sits at an edge of the swept range (or at the largest K the tier holds).")
     out.figure(fig, NAME)

@@ -14,8 +14,11 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from specter.figures.common import (REAL_OF_TINY, Output, Skip, legend_above, method_colors, method_label,
-    model_label, order_methods, order_models, order_tiers, style_axes, subplots)
+from matplotlib.ticker import NullLocator
+
+from specter.figures.common import (MODEL_LABELS, REAL_OF_TINY, Output, Skip, caption, legend_above, method_colors,
+                                    model_label, order_methods, order_models, order_tiers, style_axes, subplots)
+from specter.figures.labels import legend_label
 from specter.figures.data import ResultSet
 
 NAME = "fig_load_ratio"
@@ -23,6 +26,7 @@ TITLE = "TPOT against the emulated link's load ratio r = expert load / layer ste
 # The earlier hand estimate of r per real model (a sweep without a `point` column is marked with these).
 OPERATING_POINTS = {"dsv2": 0.7, "qwen15moe": 0.7, "phi35moe": 6.0}
 REFERENCE, BASELINE, OURS = "target_only", "offload_ar", "specter"
+STYLE_WORDS = {"-": "solid", "--": "dashed", "-.": "dash-dotted", ":": "dotted"}
 NEEDED = {"model", "memory", "method", "load_ratio", "tpot_ms"}
 
 
@@ -50,8 +54,8 @@ def sweep_table(results: ResultSet) -> pd.DataFrame:
     table = table.sort_values(["_m", "_t", "load_ratio", "_k"]).drop(columns=["_m", "_t", "_k"])
     lead = ["model", "memory", "load_ratio", "method", "effective_load_ratio", "effective_load_ratio_min",
             "effective_load_ratio_max", "load_ratio_off", "tpot_ms", "speedup_vs_offload_ar"]
-    rest = [c for c in ("point", "records", "layer_step_ms", "expert_load_ms", "acceptance_alpha", "h2d_mb_per_token", "run")
-            if c in table.columns]
+    rest = [c for c in ("hardware", "point", "records", "layer_step_ms", "expert_load_ms", "acceptance_alpha",
+                        "h2d_mb_per_token", "run") if c in table.columns]
     return table[lead + rest].reset_index(drop=True)
 
 
@@ -75,7 +79,7 @@ def _mark_operating_points(ax, points: dict[float, str]) -> None:
     for r, name in sorted(points.items()):
         legacy = name == "legacy estimate"
         ax.axvline(r, color="#555555", lw=0.8 if legacy else 1.2, ls=":" if legacy else "-", alpha=0.8, zorder=1)
-        ax.text(r, 1.0, f" {'legacy' if legacy else name.split('_')[0]}", transform=ax.get_xaxis_transform(),
+        ax.text(r, 1.0, f" {'legacy' if legacy else name.split('_')[0]} r={r:g}", transform=ax.get_xaxis_transform(),
                 fontsize=6, color="#555555", va="top", ha="left", rotation=90)
 
 
@@ -106,6 +110,7 @@ def build(results: ResultSet, out: Output) -> None:
     methods = order_methods(table.method)
     colors = method_colors(methods)
     ratios = sorted(table.load_ratio.unique())
+    named_ratios = {r for model in models for r in named_points(table, model)}
     fig, axes = subplots(len(tiers) + 1, len(models), w=3.4, h=2.5, sharex="col")
     tier_styles = {t: s for t, s in zip(tiers, ("-", "--", "-.", ":"))}
     for c, model in enumerate(models):
@@ -136,16 +141,23 @@ def build(results: ResultSet, out: Output) -> None:
         ax.set_xscale("log", base=2)
         style_axes(ax, f"{model}: Specter's speedup\nover Offload-AR", xlabel="load ratio r (×: effective r)",
                    ylabel="speedup (×)" if c == 0 else None)
-        ax.set_xticks(ratios, [f"{r:g}" for r in ratios], fontsize=7)
+        # ticks at the swept grid only: a model's named ratios (3.616, 4.104 beside 4) sit a few pixels from a
+        # grid ratio, so their tick labels would print over it; each named line says its own r at its top
+        grid = [r for r in ratios if r not in named_ratios]
+        ax.set_xticks(grid, [f"{r:g}" for r in grid], fontsize=7)
+        ax.xaxis.set_minor_locator(NullLocator())
     handles = [Line2D([], [], color=colors[m], marker=None if m == REFERENCE else "o",
                       ls="--" if m == REFERENCE else "-", lw=1.3) for m in methods]
-    labels = [method_label(m) for m in methods]
-    handles += [Line2D([], [], color=colors.get(OURS, "#0072B2"), ls=tier_styles[t], marker="s") for t in tiers]
-    labels += [f"speedup, {t} memory" for t in tiers]
-    handles += [Line2D([], [], color="#555555", lw=1.1), Line2D([], [], color="#555555", lw=0.7, ls=":")]
-    handles.append(Line2D([], [], color="#555555", marker="x", lw=0.7, alpha=0.7))
-    labels += ["paper's r for this model (A100, PCIe 4.0)", "the other paper r (0.7 DSV2/Qwen, 6 Phi)",
-               "effective r of the cell (mean of its records)"]
-    legend_above(fig, handles, labels, ncol=4)
+    labels = [legend_label(m) for m in methods]
+    # the figure's legend holds the methods only; the line styles of the tiers and the marks say what they are
+    # in the caption (eleven entries in one legend read as a table, not a key)
+    legend_above(fig, handles, labels)
     fig.tight_layout()
+    legacy = ", ".join(f"{r:g} {MODEL_LABELS.get(m, m)}" for m, r in OPERATING_POINTS.items())
+    hardware = ", ".join(sorted(table["hardware"].dropna().astype(str).unique())) if "hardware" in table else ""
+    caption(fig, f"Measured ({hardware or 'hardware not recorded'}) at each configured load ratio r. Vertical "
+                 "lines: solid, the r of the model's device file (its label names the device and r); dotted, the "
+                 f"earlier hand estimate ({legacy}). A thin whisker ending in × runs to the effective r the cell's "
+                 "records ran under (their mean). Speedup row: " + ", ".join(
+                     f"{STYLE_WORDS.get(tier_styles[t], tier_styles[t])} {t} memory" for t in tiers) + ".")
     out.figure(fig, NAME)

@@ -17,8 +17,9 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from specter.figures.common import (Output, Skip, legend_above, method_colors, method_label, model_label,
-                                    order_methods, order_models, style_axes, subplots)
+from specter.figures.common import (Output, Skip, caption, legend_above, method_colors, method_label, model_label,
+                                    order_methods, order_models, place_labels, style_axes, subplots, wrap)
+from specter.figures.labels import legend_label
 from specter.figures.data import ResultSet
 from specter.figures.projection import _found, device_label, suffix
 
@@ -62,7 +63,9 @@ def _figure(df: pd.DataFrame, out: Output, device: str, alpha: float | None) -> 
     models = order_models(df["model"].unique())
     methods = order_methods(df["method"].unique())
     colors = method_colors(methods)
-    fig, axes = subplots(1, len(models), w=5.0 if len(models) == 1 else 3.4, h=3.0)
+    w = 5.0 if len(models) == 1 else 3.4
+    fig, axes = subplots(1, len(models), w=w, h=3.0)
+    points: dict = {}  # panel -> the points labelled with their drafts, placed once the layout is final
     for ax, model in zip(axes[0], models):
         g = df[df["model"] == model]
         tier = "high" if (g["memory"].astype(str) == "high").any() else str(g["memory"].iloc[0])
@@ -77,21 +80,28 @@ def _figure(df: pd.DataFrame, out: Output, device: str, alpha: float | None) -> 
                 ax.plot([a], [t], marker=MARKERS.get(int(bits), "o"), ms=4.5, color=colors[method], ls="none")
                 labels.setdefault((round(float(a), 3), round(float(t), 1)), []).append(_short(draft))
             if method == methods[0]:  # one set of labels per panel keeps it readable
-                for (a, t), names in labels.items():
-                    ax.annotate(", ".join(names), (a, t), textcoords="offset points", xytext=(3, 3), fontsize=6,
-                                ha="right" if a > 0.97 else "left")
+                points[ax] = [(a, t, ", ".join(names)) for (a, t), names in labels.items()]
         if alpha is not None:
             ax.axvline(alpha, color="black", lw=0.9, ls="--")
-            ax.text(alpha, 1.0, f" paper {alpha:.3f}", transform=ax.get_xaxis_transform(), fontsize=7, va="top")
-        K = ", ".join(f"{method_label(m)} K={k}" for m, k in g.groupby("method")["K"].first().items()) \
-            if "K" in g.columns else ""
-        style_axes(ax, f"{model_label(model)}, {tier} memory; {K}\n{device_label(device)}; drafts per point "
-                       "(G/R = GPTQ/RTN, bits/group)",
+            ax.text(alpha, 1.0, f"paper α {alpha:.3f} ", transform=ax.get_xaxis_transform(), fontsize=7, va="top",
+                    ha="right")
+        ks = g.groupby("method")["K"].first() if "K" in g.columns else pd.Series(dtype=object)
+        K = ", ".join(f"{method_label(m)} {ks[m]}" for m in methods if m in ks.index)
+        # short titles (model, tier, K, device): the draft varies per point and is explained in the caption
+        style_axes(ax, wrap(f"{model_label(model)}, {tier} memory\nK: {K}\n{device_label(device)}",
+                            fig.get_figwidth() / len(models) - 0.6, 10),
                    xlabel="acceptance α (accepted / drafted)", ylabel="projected TPOT (ms)")
     handles = [Line2D([], [], color=colors[m], marker="o") for m in methods]
-    labels = [method_label(m) for m in methods]
+    labels = [legend_label(m) for m in methods]
     handles += [Line2D([], [], color="#555555", marker=mk, ls="none") for mk in MARKERS.values()]
     labels += [f"{b}-bit draft" for b in MARKERS]
-    legend_above(fig, handles, labels)
     fig.tight_layout()
+    legend_above(fig, handles, labels)
+    for ax, pts in points.items():
+        place_labels(ax, pts, color=colors[methods[0]])
+    caption(fig, f"A model, not a measurement: TPOT projected onto {device_label(device)} (cost model + virtual "
+                 "clock driven by the engine's schedule on the tiny proxy). Each point is one draft at the acceptance "
+                 f"it reached on the proxy, labelled for {method_label(methods[0])} as G/R = GPTQ/RTN, bits/group; "
+                 "every draft is charged the paper's INT4 g128 bytes and time, so along a line only the acceptance "
+                 "moves. Dashed line: the paper's measured mean α.")
     out.figure(fig, "fig_projected_alpha" + suffix(device))

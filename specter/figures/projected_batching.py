@@ -19,8 +19,9 @@ import pandas as pd
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from specter.figures.common import (Output, Skip, legend_above, method_colors, method_label, model_label,
-                                    order_methods, order_models, style_axes, subplots)
+from specter.figures.common import (Output, Skip, caption, legend_above, method_colors, model_label, order_methods,
+                                    order_models, style_axes, subplots, wrap)
+from specter.figures.labels import legend_label
 from specter.figures.data import ResultSet
 from specter.figures.projection import _found, device_label, suffix
 
@@ -75,16 +76,19 @@ def _figure(df: pd.DataFrame, versus: pd.DataFrame, out: Output, device: str) ->
             ax.set_xticks(sizes, [str(int(b)) for b in sizes])
             ax.minorticks_off()
             style_axes(ax, None, xlabel="batch size B", ylabel=ylabel)
-        row[0].set_title(f"{model_label(model)}, {tier} memory\n{device_label(device)}; {draft} draft", fontsize=9,
-                         loc="left", fontweight="bold")
+        # wrapped to its panel: unbroken, the draft's name ran over the next panel's tick labels
+        row[0].set_title(wrap(f"{model_label(model)}, {tier} memory\n{device_label(device)}; {draft} draft",
+                              fig.get_figwidth() / 3 - 0.4, 9), fontsize=9, loc="left", fontweight="bold")
         _claims(row[2], versus[(versus["model"] == model) & (versus["memory"].astype(str) == tier)]
                 if not versus.empty else versus, device)
     handles = [Line2D([], [], color=colors[m], marker="o") for m in methods]
-    labels = [method_label(m) for m in methods]
+    labels = [legend_label(m) for m in methods]
     handles += [Patch(color="black"), Patch(color="#9E9E9E")]
     labels += ["paper (Table 3 / Figs. 15-16 text)", "projected"]
     legend_above(fig, handles, labels)
     fig.tight_layout()
+    caption(fig, f"A model, not a measurement: batching projected onto {device_label(device)} (cost model + virtual "
+                 "clock driven by the engine's own batched loop on the tiny proxy), drafts as each row names them.")
     out.figure(fig, "fig15_projected_batch" + suffix(device))
 
 
@@ -104,7 +108,9 @@ def _claims(ax, versus: pd.DataFrame, device: str) -> None:
     ax.set_yticks(y, names, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", lw=0.6, ls=":")
-    style_axes(ax, f"paper (its A100) vs projected ratios\non {device_label(device)}", xlabel="ratio (x)")
+    panel_in = ax.figure.get_figwidth() / 3 - 0.6  # this panel's width: unbroken, the title ran past the figure
+    style_axes(ax, wrap(f"paper (its A100) vs projected ratios on {device_label(device)}", panel_in, 10),
+               xlabel="ratio (x)")
     ax.grid(axis="x", alpha=0.3, linewidth=0.6)
 
 

@@ -16,8 +16,9 @@ fig_projected_window       per model, one Specter window on the two streams: com
                            target experts, the rest) and copy (H2D expert loads)
 
 One figure and one table per device file (suffix _<device> beside the A100's): hardware is never mixed in
-one panel. Every title names the device and the draft. A projection is a model of the paper's machine
-driven by the real engine's schedule, not a measurement.
+one panel. Every title names the device and the draft, and every caption says the figure is a model: a projection
+is a model of the paper's machine driven by the real engine's schedule, not a measurement. Lossy methods are
+hatched and marked in the legend; a bar past CLIP_OVER x its panel's median is clipped and labelled.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.patches import Patch
 
-from specter.figures.common import (Output, Skip, legend_above, method_colors, method_label, model_label,
-                                    order_methods, order_models, order_tiers, style_axes, subplots)
+from specter.figures.common import (Output, Skip, caption, legend_above, method_colors, model_label, order_methods,
+                                    order_models, order_tiers, style_axes, subplots, wrap)
+from specter.figures.labels import is_lossy, legend_label
 from specter.figures.data import ResultSet
 
 NAME = "fig14_projected_tpot"
@@ -95,36 +97,84 @@ def build(results: ResultSet, out: Output) -> None:
     _windows(results, out)
 
 
+# A bar taller than CLIP_OVER x its panel's median bar is cut at the panel's top and labelled with its value. A
+# lossy method's projection can be several times every other (MoE-Spec's ~950 ms on Phi-3.5-MoE); drawn whole
+# it flattens the other bars into a few pixels. A log axis would do the same job but makes bar lengths meaningless
+# (a bar's length is no longer its TPOT), and a broken axis doubles every panel; a clipped bar keeps the linear
+# scale the other bars are compared on and still says the clipped value in numbers.
+CLIP_OVER = 3.0
+MODEL_NOTE = ("A model, not a measurement: TPOT projected onto {device} (cost model + virtual clock driven by the "
+              "engine's own schedule on the tiny proxy), drafts as each panel names them.")
+
+
+def _bar_label(series: str) -> str:
+    """A bar's legend label: the method in words, lossy ones marked ("MoE-Spec (lossy)"), a default-K bar so named."""
+    method, at_paper_k = (series[: -len("[paper K]")], True) if series.endswith("[paper K]") else (series, False)
+    return legend_label(method) + (" at the paper's K" if at_paper_k else "")
+
+
+def _clip_at(values: list[float], papers: list[float]) -> float | None:
+    """The panel's top when some bar is an outlier (over CLIP_OVER x the median bar), else None (no clipping);
+    every paper marker stays inside it."""
+    if not values:
+        return None
+    median = float(pd.Series(values).median())
+    top = max(CLIP_OVER * median, 1.1 * max(papers, default=0.0))
+    return top if max(values) > top else None
+
+
 def _tpot_figure(df: pd.DataFrame, out: Output, suffix: str, device: str) -> None:
     models = order_models(df["model"].unique())
     methods = order_methods(df["series"].unique())
     colors = method_colors(methods)
+    hatches = {m: "///" if is_lossy(m) else None for m in methods}  # lossy bars read as such without the legend
     fig, axes = subplots(1, len(models), w=4.2, h=3.0)
     width = 0.8 / max(1, len(methods))
+    panel_in = fig.get_figwidth() / len(models) - 0.5
+    clipped = []
     for ax, model in zip(axes[0], models):
         g = df[df["model"] == model]
         tiers = order_tiers(g["memory"].unique())
+        papers = [float(p) for p in pd.to_numeric(g.get("paper_tpot_ms"), errors="coerce").dropna()] \
+            if "paper_tpot_ms" in g else []
+        top = _clip_at([float(v) for v in g["tpot_ms"]], papers)
         for i, method in enumerate(methods):
             for t, tier in enumerate(tiers):
                 cell = g[(g["memory"] == tier) & (g["series"] == method)]
                 if cell.empty:
                     continue
                 x = t + (i - (len(methods) - 1) / 2) * width
-                ax.bar(x, float(cell["tpot_ms"].iloc[0]), width, color=colors[method])
+                tpot = float(cell["tpot_ms"].iloc[0])
+                ax.bar(x, tpot if top is None else min(tpot, top), width, color=colors[method],
+                       hatch=hatches[method], edgecolor="white", linewidth=0)
+                if top is not None and tpot > top:
+                    clipped.append(method)
+                    ax.text(x, top * 0.98, f"{tpot:.0f} ms ✂", rotation=90, ha="center", va="top", fontsize=6,
+                            color="black", bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none"})
                 paper = cell["paper_tpot_ms"].iloc[0] if "paper_tpot_ms" in cell else None
                 if paper is not None and not pd.isna(paper):
                     ax.plot(x, float(paper), marker="D", color="black", markersize=4, zorder=3)
+        if top is not None:
+            ax.set_ylim(0, top)
         ax.set_xticks(range(len(tiers)), [f"{t} memory" for t in tiers])
-        style_axes(ax, f"{model_label(model)}\n{device_label(device)}\n{draft_of(g)} draft",  # narrow panels
+        # the device and the draft in every panel (the draft's acceptance may differ per model), wrapped to it
+        style_axes(ax, wrap(f"{model_label(model)}\n{device_label(device)}\n{draft_of(g)} draft", panel_in, 9),
                    ylabel="projected TPOT (ms)")
-    handles = [Patch(color=colors[m]) for m in methods]
-    labels = [method_label(m).replace("[paper K]", " at the paper's K") for m in methods]
+        ax.title.set_fontsize(9)
+    handles = [Patch(facecolor=colors[m], hatch=hatches[m], edgecolor="white", linewidth=0) for m in methods]
+    labels = [_bar_label(m) for m in methods]
     from matplotlib.lines import Line2D
 
     handles.append(Line2D([], [], marker="D", color="black", linestyle="none", markersize=4))
-    labels.append("paper (Fig. 14)")
-    fig.tight_layout()  # the three-line titles inside the figure, the legend above them
-    legend_above(fig, handles, labels)
+    labels.append("paper (Fig. 14, measured on the A100)")
+    fig.tight_layout()  # the titles inside the figure, the legend above them
+    legend_above(fig, handles, labels, ncol=4)
+    note = MODEL_NOTE.format(device=device_label(device)) + " Hatched: lossy methods (their output may differ from " \
+        "the target's)."
+    if clipped:
+        note += (f" A bar over {CLIP_OVER:g}x its panel's median is cut at the panel's top (✂) and labelled with its "
+                 "projected TPOT.")
+    caption(fig, note)
     out.figure(fig, NAME + suffix)
     loads = [c for c in LOAD_COLUMNS if pd.to_numeric(df[c], errors="coerce").notna().any()]  # once the engine has them
     table = df[["model", "memory", "device", "method", "draft", "K", "k_source", "tpot_ms", "paper_tpot_ms", "ratio",
@@ -158,7 +208,6 @@ def _windows(results: ResultSet, out: Output) -> None:
     df = pd.concat(frames, ignore_index=True)
     df = df[df["device"] == DEFAULT_DEVICE] if (df["device"] == DEFAULT_DEVICE).any() else df
     device = str(df["device"].iloc[0])
-    draft = f"{df['draft'].iloc[0]} draft" if "draft" in df.columns and str(df["draft"].iloc[0]) else "draft not recorded"
     cases = df[["model", "memory"]].drop_duplicates()
     cases = cases[cases["memory"] == "high"] if (cases["memory"] == "high").any() else cases
     models = order_models(cases["model"].unique())
@@ -177,7 +226,9 @@ def _windows(results: ResultSet, out: Output) -> None:
                                    color=color)
         ax.set_yticks([0, 1], ["copy", "compute"])
         K = f", K = {g['K'].iloc[0]}" if "K" in g.columns else ""
+        # each panel's own draft: the models' drafts differ (a proxy's acceptance comes from its own calibration)
         style_axes(ax, f"{model_label(model)}, {tier} memory: one Specter window{K} (projected)\n"
-                       f"{device_label(device)}; {draft}", xlabel="ms")
+                       f"{device_label(device)}; {draft_of(g)} draft", xlabel="ms")
     legend_above(fig, [Patch(color=c) for c in KINDS.values()], list(KIND_LABELS), ncol=2)
+    caption(fig, MODEL_NOTE.format(device=device_label(device)).replace("TPOT projected", "Windows projected"))
     out.figure(fig, "fig_projected_window")

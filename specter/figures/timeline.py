@@ -123,6 +123,7 @@ def build(results: ResultSet, out: Output) -> None:
     pcolor = {p: PHASE_COLORS[i % len(PHASE_COLORS)] for i, p in enumerate(phases)}
     fig, axes = subplots(len(shown), 1, w=8.5, h=2.0)
     lanes = {"draft": 2, "copy": 1, "compute": 0, "wait": 0}
+    boundary_labels: dict = {}  # panel -> its chunk boundaries, labelled once the layout is final
     for ax, (info, w) in zip(axes[:, 0], shown):
         t0 = w["start_ms"].min()
         for event, y in lanes.items():
@@ -132,9 +133,10 @@ def build(results: ResultSet, out: Output) -> None:
                          "wait": "#D55E00", "copy": pcolor.get(r.copy_kind, "#7F7F7F")}[event]
                 ax.broken_barh([(r.start_ms - t0, max(r.end_ms - r.start_ms, 1e-3))], (y - 0.35, 0.7),
                                facecolors=color, edgecolors="white", linewidth=0.3)
-        for i, b in enumerate(w.loc[w["event"] == "boundary", "start_ms"].sort_values()):
-            ax.axvline(b - t0, color="black", ls="--", lw=0.7)
-            ax.text(b - t0, 2.55, f"b{i + 1}", ha="center", va="bottom", fontsize=7)
+        bounds = [b - t0 for b in w.loc[w["event"] == "boundary", "start_ms"].sort_values()]
+        for b in bounds:
+            ax.axvline(b, color="black", ls="--", lw=0.7)
+        boundary_labels[ax] = bounds
         ax.set_yticks([2, 1, 0], ["draft (q)", "H2D copies", "verify (p)"])
         ax.set_ylim(-0.6, 2.9)
         label = f"{model_label(str(info['model']))}, {info['memory']} memory, {info['method']} — window {w['_w'].iloc[0]}"
@@ -145,4 +147,22 @@ def build(results: ResultSet, out: Output) -> None:
     legend_above(fig, handles, ["draft step", "target compute", "waiting for a copy"]
                  + [f"copy: {p or 'unlabelled'}" for p in phases])
     fig.tight_layout()
+    for ax, bounds in boundary_labels.items():
+        _label_boundaries(ax, bounds)
     out.figure(fig, NAME)
+
+
+def _label_boundaries(ax, bounds: list[float]) -> None:
+    """b1, b2, ... above the chunk boundaries; boundaries closer than their labels are wide share one label
+    ("b1–b3") rather than printing over each other. Needs the final layout (it compares pixels)."""
+    renderer = ax.figure.canvas.get_renderer()
+    last, first = None, 0
+    for i, b in enumerate(bounds, start=1):
+        if last is not None:
+            box = ax.text(b, 2.55, f" b{i}", ha="left", va="bottom", fontsize=7)
+            overlaps = box.get_window_extent(renderer).x0 <= last.get_window_extent(renderer).x1 + 1
+            box.remove()
+            if overlaps:
+                last.set_text(f" b{first}–b{i}")
+                continue
+        last, first = ax.text(b, 2.55, f" b{i}", ha="left", va="bottom", fontsize=7), i
