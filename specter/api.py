@@ -11,15 +11,17 @@
 `load` takes the config groups and keys of `python run.py` as keyword arguments (a dotted key as
 ``**{"method.quant": "rtn"}``) and builds one Method through `load_overrides`, as `specter generate`
 and `specter serve` do (`build_served` below: the same schema and checks, warm-up and link
-calibration). `generate` decodes its prompts together through the method's batched request loop
-(specter, the methods built on its engine, target_only, offload_ar), at most the memory tier's largest
-fitting batch at a time, and one by one for a method without one. Bad input raises the project's one-line exceptions
-(ConfigError and the other user errors of specter/assembly/errors.py) before anything decodes.
+calibration). `generate` decodes its prompts together through the one request scheduler
+(specter/scheduler.py, which `specter serve` steps on its engine thread) over the method's batched
+request loop (specter, the methods built on its engine, target_only, offload_ar), at most the memory
+tier's largest fitting batch at a time, and one by one for a method without one. Bad input raises the
+project's one-line exceptions (ConfigError and the other user errors of specter/assembly/errors.py)
+before anything decodes.
 `specter generate` is this module's `stream` on the command line, and `specter serve` answers HTTP
 requests over an Engine (specter/cli.py). The HTTP server sits on this module, never the other way:
-specter/serve imports its loading (`build_served`, `compose_checked`, `MAX_BATCH`), its request loops
-(`batch_loop`), its text pieces (`TextStream`) and its sampling range from here, and nothing here imports
-specter.serve (tests/test_api_layering.py).
+specter/serve imports its loading (`build_served`, `compose_checked`, `MAX_BATCH`), its text pieces
+(`TextStream`) and its sampling range from here and its scheduler from specter/scheduler.py, and
+nothing here imports specter.serve (tests/test_api_layering.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from specter.assembly.config import SEED_LIMIT, ConfigError
 if TYPE_CHECKING:  # torch, OmegaConf and the decoders load when a function needs them, not on import
     from omegaconf import DictConfig
 
-    from specter.speculative.batched import BatchLoop
     from specter.speculative.sampling import SamplingParams
 
 MAX_BATCH = 32  # the largest batch the batched decoders are tested at (tests/test_batched.py)
@@ -70,6 +71,10 @@ def sampling_params(temperature: float, top_p: float, top_k: int = 0) -> Any:
 
 class EngineClosed(ConfigError):
     """The engine was closed: load a new one."""
+
+
+class DecodeError(RuntimeError):
+    """A prompt's decoding failed (a window raised); the message names the prompt and the error."""
 
 
 @dataclass(frozen=True)
@@ -304,23 +309,6 @@ def build_served(overrides: list[str], *, max_batch: int = MAX_BATCH, warm: bool
 
 
 # ---------------------------------------------------------------------------------- request loops and text
-def batch_loop(method: Any, params: SamplingParams) -> BatchLoop:
-    """A request loop over `method`'s model with `params`: the speculative engine for specter (and the
-    methods built on it), batched autoregressive decoding for target_only and offload_ar."""
-    from specter.assembly.methods import OffloadAR, TargetOnly
-    from specter.speculative.batched import BatchedAutoregressive
-
-    if method.engine is not None:
-        return method.make_engine(params)  # the spec's engine; the request's own sampling replaces the spec's
-    if isinstance(method, OffloadAR):
-        rt = method.rt
-        return BatchedAutoregressive(rt.model, params, moe=rt.moe, num_experts=rt.om.num_experts)
-    if isinstance(method, TargetOnly):
-        return BatchedAutoregressive(method.model, params)
-    raise ConfigError(f"method {method.name!r} has no batched request loop to serve from; "
-                      "serve specter, target_only or offload_ar")
-
-
 class TextStream:
     """Text of a growing token sequence, released piece by piece once its bytes form whole characters.
 
@@ -346,11 +334,11 @@ class Engine:
     def __init__(self, served: Served):
         self.served = served
         self._closed = False
-        try:  # the methods with a batched request loop decode several prompts together
-            batch_loop(served.method, served.method.params)
-            self._batched_loop = True
-        except ConfigError:
-            self._batched_loop = False  # decoded whole, one prompt at a time
+        from specter.scheduler import batches
+
+        # a method with a batched request loop decodes several prompts together (the one scheduler,
+        # specter/scheduler.py, as specter serve does); any other is decoded whole, one prompt at a time
+        self._batched_loop = batches(served.method)
 
     # -- properties
     @property
@@ -479,73 +467,57 @@ class Engine:
         yield from self._batched(job, on_piece)
 
     def _batched(self, job: _Job, on_piece) -> Iterator[Completion | None]:
-        import torch
+        """The prompts through the one request scheduler (specter/scheduler.py), stepped in this thread:
+        at most `max_batch` decode together, each leaves at its length or a stop token, a failed window
+        shared by several resumes each alone (the failing prompt raises DecodeError)."""
+        from specter.scheduler import Job, Scheduler
 
-        from specter.speculative.sampling import make_generator
-
-        method, device = self.method, self.method.device
-        loop = batch_loop(method, job.params)
-        pending = list(range(len(job.prompts)))
-        reqs: dict[int, Any] = {}
-        sent = {i: 0 for i in pending}
-        windows = {i: 0 for i in pending}
-        ended: dict[int, str] = {}
-        done_at: dict[int, float] = {}
+        sched = Scheduler(self.method, self.max_batch)
         text0 = TextStream(self.tokenizer)
-        io0, biggest = _io_now(method), 0
+        done_at: dict[int, float] = {}
+
+        def emit(i: int) -> Any:
+            def on_tokens(ids: list[int], reason: str | None) -> None:
+                if i == 0 and on_piece is not None:
+                    on_piece(text0.push(ids, final=reason is not None))
+                if reason is not None:
+                    done_at[i] = time.perf_counter()
+            return on_tokens
+
+        jobs = [Job(ids, job.max_new, job.params, emit(i), seed=job.seed + i, stop_ids=job.stop)
+                for i, ids in enumerate(job.ids)]
+        for j in jobs:
+            sched.add(j)
+        io0 = _io_now(self.method)
         t0 = time.perf_counter()
         nxt = 0
         try:
-            while pending or any(i not in ended for i in reqs):
-                live = [i for i in reqs if i not in ended]
-                while pending and len(live) < self.max_batch:
-                    i = pending.pop(0)
-                    reqs[i] = loop.submit(torch.tensor(job.ids[i], device=device), job.max_new,
-                                          make_generator(device, job.seed + i))
-                    live.append(i)
-                biggest = max(biggest, len(live))
-                loop.step()
-                for i in live:
-                    req = reqs[i]
-                    windows[i] += 1
-                    new = req.tokens[sent[i]:job.max_new]
-                    cut = next((k for k, t in enumerate(new) if t in job.stop), None)
-                    if cut is not None:
-                        new = new[:cut]
-                    sent[i] += len(new)
-                    if i == 0 and on_piece is not None:
-                        on_piece(text0.push(new, final=cut is not None or sent[i] >= job.max_new))
-                    if cut is not None:
-                        loop.cancel(req)
-                        ended[i] = "stop"
-                    elif sent[i] >= job.max_new:
-                        ended[i] = "length"
-                    if i in ended:
-                        done_at[i] = time.perf_counter()
-                if nxt not in ended:
+            while nxt < len(jobs):
+                sched.step()
+                if jobs[nxt].finish is None:
                     yield None  # a window passed
-                while nxt in ended:  # in order, as soon as each is complete
-                    yield self._completion(job, nxt, reqs[nxt], sent[nxt], ended[nxt], windows[nxt],
-                                           done_at[nxt] - t0, io0, biggest)
+                while nxt < len(jobs) and jobs[nxt].finish is not None:  # in order, as soon as each is complete
+                    j = jobs[nxt]
+                    if j.finish == "error":
+                        raise DecodeError(f"prompt {nxt} failed while decoding: {j.error}")
+                    yield self._completion(job, nxt, j, done_at[nxt] - t0, io0, sched.peak)
                     nxt += 1
         finally:
-            for i, req in reqs.items():
-                if i not in ended:
-                    loop.cancel(req)
+            sched.abandon()
 
-    def _completion(self, job: _Job, i: int, req: Any, n: int, reason: str, windows: int, wall: float,
-                    io0: tuple[int, ...], batch: int) -> Completion:
+    def _completion(self, job: _Job, i: int, done: Any, wall: float, io0: tuple[int, ...],
+                    batch: int) -> Completion:
         from specter.speculative.engine import acceptance_stats
 
         io1 = _io_now(self.method)
-        offloads = getattr(self.method, "rt", None) is not None
+        req, n, windows = done.req, done.sent, done.windows  # after a resumption: its last decoder's request
         alpha = acceptance_stats(req.drafted, req.accepted)["acceptance_alpha"] if req.drafted else None
         d = [b - a for a, b in zip(io0, io1)]
         stats = Stats(n, wall, req.clock.latency()["tpot_ms"], n / windows if windows else None, alpha,
-                      *(d if offloads else (None,) * 4), batch=batch)
-        tokens = list(req.tokens[:n])
-        return Completion(job.prompts[i], self.tokenizer.decode(tokens, skip_special_tokens=True), tokens, reason,
-                          stats)
+                      *(d if self.method.rt is not None else (None,) * 4), batch=batch)
+        tokens = list(done.emitted[:n])
+        return Completion(job.prompts[i], self.tokenizer.decode(tokens, skip_special_tokens=True), tokens,
+                          done.finish, stats)
 
     def _whole(self, job: _Job, i: int, on_piece) -> Completion:
         """A method with no request loop: its `generate` over the whole output at once."""

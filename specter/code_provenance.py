@@ -28,7 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 TREES = ("specter", "baselines")  # the code that measures; docs, configs and figures do not change a record
 NOT_MEASURING = ("specter/figures", "specter/serve", "specter/api.py", "specter/cli.py",  # left out of the digests
-                 "specter/entry.py", "specter/code_provenance.py")
+                 "specter/entry.py", "specter/code_provenance.py", "specter/scheduler.py")
 PROVENANCE_NAME = "provenance.json"
 
 

@@ -33,13 +33,33 @@ def test_the_python_api_imports_nothing_from_serve():
     assert serve_imports(API.read_text()) == []
 
 
-def test_serve_loads_through_the_python_api():
-    imported = set()
-    for path in (REPO / "specter" / "serve").rglob("*.py"):
+def _imported_from(folder_or_file, module: str) -> set[str]:
+    paths = [folder_or_file] if folder_or_file.is_file() else folder_or_file.rglob("*.py")
+    names = set()
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "specter.api":
-                imported |= {a.name for a in node.names}
-    assert {"batch_loop", "sampling_params", "TextStream"} <= imported, imported
+            if isinstance(node, ast.ImportFrom) and node.module == module:
+                names |= {a.name for a in node.names}
+    return names
+
+
+def test_serve_loads_through_the_python_api():
+    assert {"sampling_params", "TextStream"} <= _imported_from(REPO / "specter" / "serve", "specter.api")
+
+
+def _calls(path, name: str) -> list[int]:
+    return [n.lineno for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+            and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)]
+
+
+def test_one_scheduler_serves_the_api_and_the_server():
+    """Both front doors step specter/scheduler.py's Scheduler; neither builds or steps a request loop itself
+    (a second scheduler would keep its own admission, stop detection and cancellation)."""
+    assert "Scheduler" in _imported_from(API, "specter.scheduler")
+    assert "Scheduler" in _imported_from(REPO / "specter" / "serve" / "loop.py", "specter.scheduler")
+    for path in [API, *(REPO / "specter" / "serve").rglob("*.py")]:
+        assert _calls(path, "batch_loop") == [], f"{path.name} builds a request loop of its own"
+        assert _calls(path, "make_generator") == [] or path == API, f"{path.name} seeds requests itself"
 
 
 def test_an_import_of_serve_is_caught_at_top_level_and_inside_a_function():

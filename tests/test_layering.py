@@ -49,8 +49,8 @@ print("ok")
 # ------------------------------------------------------------------------------------ the import graph
 # The app: what assembles, runs, serves and reports; the engine reaches none of it, however indirectly.
 ROOMS = ("specter.assembly", "specter.records", "specter.experiments")
-APP = ROOMS + ("specter.serve", "specter.cli", "specter.api", "specter.reproduce", "specter.figures",
-       "baselines")
+APP = ROOMS + ("specter.serve", "specter.cli", "specter.api", "specter.scheduler", "specter.reproduce",
+       "specter.figures", "baselines")
 ENGINE = tuple(f"specter.{m}" for m in ENGINE_PACKAGES + ENGINE_MODULES) + (
     "specter.projection.clock", "specter.projection.cost_model")  # the projection's torch-free clock and costs
 
@@ -180,13 +180,15 @@ def test_an_indirect_path_to_the_app_is_caught(tmp_path):
 BELOW = {
     "specter.assembly": ("baselines", "specter.records", "specter.experiments", "specter.projection.engine_run",
                          "specter.projection.steps", "specter.reproduce", "specter.figures", "specter.serve",
-                         "specter.api", "specter.cli"),
+                         "specter.api", "specter.scheduler", "specter.cli"),
     "specter.records": ("specter.experiments", "specter.reproduce", "specter.figures", "specter.serve"),
     "specter.projection": ("specter.experiments", "specter.reproduce", "specter.figures", "specter.serve"),
     "specter.serve": ("specter.records", "specter.experiments"),
     "specter.cli": ("specter.records", "specter.experiments"),
     "specter.api": ("specter.records", "specter.experiments"),
-    "baselines": ("specter.records", "specter.experiments", "specter.serve", "specter.cli", "specter.api"),
+    "specter.scheduler": ("specter.records", "specter.experiments", "specter.serve", "specter.api"),
+    "baselines": ("specter.records", "specter.experiments", "specter.serve", "specter.cli", "specter.api",
+                  "specter.scheduler"),
 }
 
 

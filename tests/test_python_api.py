@@ -115,3 +115,34 @@ def test_generate_refuses_bad_requests(tiny_checkpoint):
         assert first and stream.result is None  # text arrives while the request decodes, not at its end
         rest = "".join(stream)
         assert stream.result.text == first + rest and len(stream.result.tokens) == 12
+
+
+def test_a_failing_prompt_raises_alone_and_its_neighbours_decode_through_the_one_scheduler(tiny_checkpoint,
+                                                                                            monkeypatch):
+    """generate steps the scheduler `specter serve` steps: a window shared with a failing prompt is retried
+    for each prompt alone, so the failure names its prompt and the prompt before it still completes with the
+    tokens a clean run gives; the engine decodes on afterwards."""
+    from specter.api import DecodeError
+    from specter.speculative.engine import SpeculativeEngine
+
+    tiny_checkpoint("tiny_dsv2")
+    prompts = ["def fib(n):", "poison pill here", "class Stack:"]
+    with specter.load(model="tiny_dsv2", memory="low", method="specter", K=3, warm=False) as llm:
+        clean = llm.generate([prompts[0], prompts[2]], max_new_tokens=10, ignore_eos=True)
+        bad = llm.tokenizer(prompts[1], add_special_tokens=False).input_ids
+        inner = SpeculativeEngine._iterate
+
+        def iterate(self):
+            if any(list(r.prompt[:len(bad)]) == bad for r in self.active):
+                raise RuntimeError("poisoned window")
+            return inner(self)
+
+        monkeypatch.setattr(SpeculativeEngine, "_iterate", iterate)
+        seen = []
+        with pytest.raises(DecodeError, match="prompt 1 failed while decoding: RuntimeError: poisoned"):
+            for done in llm._decode(llm._job(prompts, 10, None, None, None, True)):
+                if done is not None:
+                    seen.append(done)
+        assert [d.prompt for d in seen] == [prompts[0]] and seen[0].tokens == clean[0].tokens
+        again = llm.generate([prompts[0], prompts[2]], max_new_tokens=10, ignore_eos=True)
+        assert [o.tokens for o in again] == [o.tokens for o in clean]

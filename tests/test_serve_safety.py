@@ -194,7 +194,7 @@ def test_a_failing_request_never_ends_a_neighbours_stream(server, reference, poi
 def test_a_request_that_cannot_enter_ends_alone(server, monkeypatch):
     """A failure while a job enters its decoder (here: its generator) ends that job, not the thread."""
     srv, _ = server
-    import specter.serve.loop as loop_mod
+    import specter.scheduler as loop_mod
 
     inner = loop_mod.make_generator
 
@@ -223,7 +223,7 @@ def test_a_stopped_engine_fails_its_requests_and_health_and_ends_the_server(serv
     def broken() -> None:
         raise SystemError("the engine broke")
 
-    monkeypatch.setattr(loop, "_step_all", broken)
+    monkeypatch.setattr(loop.scheduler, "step", broken)
     ended: list = []
     loop.start()
     loop.submit(Job([1, 2, 3], 4, SamplingParams(), lambda ids, reason: ended.append(reason)))
@@ -241,7 +241,7 @@ def test_threaded_server_exits_when_its_engine_stops(server, monkeypatch):
     _, served = server
     srv = ThreadedServer(served, max_queue=2)
     with srv:
-        monkeypatch.setattr(srv.loop, "_step_all", lambda: (_ for _ in ()).throw(SystemError("broken")))
+        monkeypatch.setattr(srv.loop.scheduler, "step", lambda: (_ for _ in ()).throw(SystemError("broken")))
         code, err = _post(srv.url, {"model": MODEL, "prompt": "hi", "max_tokens": 4}, timeout=30)
         assert code in (500, 503), err
         srv.thread.join(timeout=30)

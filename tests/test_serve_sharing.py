@@ -12,7 +12,7 @@ import time
 
 import torch
 
-import specter.serve.loop as loop_module
+import specter.scheduler as loop_module
 from specter.serve.loop import MAX_DECODERS, Job, ServingLoop
 from specter.speculative.batch_state import Request
 from specter.api import sampling_params
@@ -50,6 +50,7 @@ class OneTokenPerWindow:
 
 class FakeMethod:
     device = torch.device("cpu")
+    rt = None  # no offloading runtime: no link bytes or cache counts to account
 
 
 def _loop(monkeypatch, max_batch: int = 16) -> tuple[ServingLoop, dict[str, int]]:
