@@ -35,6 +35,8 @@ Outputs (missing inputs are skipped with a printed note, never drawn as placehol
                                  projected batching beside the paper's Table 3 numbers (batch_projection.csv)
   fig_projected_alpha, table_projected_alpha
                                  projected TPOT against the draft's acceptance (alpha_curve.csv)
+  claims                         the numbers README and ARTIFACT quote, and README's CPU speedup table
+                                 (records.csv, projection.csv; tests/test_claims.py checks the prose)
   index.md                       what was written and what was skipped, and why
 """
 
@@ -50,6 +52,7 @@ from pathlib import Path
 
 from specter.figures import (
     batching,
+    claims,
     draft_kernel,
     headline,
     io_oracle,
@@ -85,6 +88,7 @@ FIGURES = (
     ("Projected Fig. 14 (virtual clock)", projection),
     ("Projected batching (virtual clock)", projected_batching),
     ("Projected alpha curve (virtual clock)", projected_alpha),
+    ("The numbers the prose quotes", claims),
 )
 
 

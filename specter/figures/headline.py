@@ -33,7 +33,7 @@ from specter.figures import verdict
 from specter.figures.common import Output, Skip, order_methods
 from specter.figures.data import ResultSet, drifted_note
 from specter.figures.lossy import matches_below_target, token_match
-from specter.figures.tpot_grid import CI_SEED, tpot_table
+from specter.figures.tpot_grid import CI_CHECK_SEEDS, CI_RESAMPLES, CI_SEED, tpot_table
 from specter.records.paired import flagged_mask, paired_by_prompt
 
 NAME = "table_headline_speedup"
@@ -89,13 +89,29 @@ def paired_table(records: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFr
         for method in order_methods(g["variant"]):
             if method == reference:
                 continue
-            r = paired_by_prompt(g, "variant", method, reference, seed=CI_SEED)
+            r = paired_by_prompt(g, "variant", method, reference, resamples=CI_RESAMPLES, seed=CI_SEED)
             if r is None:
                 continue
             rows.append({"model": model, "memory": memory, "hardware": hardware, "method": method,
                          "speedup": r.median, "ci_low": r.low, "ci_high": r.high, "prompts": r.prompts,
-                         "records": r.records, "flagged": r.flagged, "ci_straddles_1": r.straddles_1})
+                         "records": r.records, "flagged": r.flagged, "ci_straddles_1": r.straddles_1,
+                         "ci_side": stable_side(g, method, reference, r)})
     return pd.DataFrame(rows)
+
+
+def side_of_1(low: float, high: float) -> str:
+    return "above" if low > 1 else "below" if high < 1 else "holds"
+
+
+def stable_side(records: pd.DataFrame, method: str, reference: str, first) -> str:
+    """Which side of 1 the CI lies on ('above': Specter faster, 'below', 'holds'), or 'unstable' when the
+    intervals drawn with CI_CHECK_SEEDS do not all say the same: no verdict word rests on a bootstrap seed."""
+    side = side_of_1(first.low, first.high)
+    for seed in CI_CHECK_SEEDS:
+        r = paired_by_prompt(records, "variant", method, reference, resamples=CI_RESAMPLES, seed=seed)
+        if side_of_1(r.low, r.high) != side:
+            return "unstable"
+    return side
 
 
 def headline_table(records: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
@@ -153,7 +169,7 @@ def build(results: ResultSet, out: Output) -> None:
         "speedup: median over `prompts` prompts (same dataset and prompt) of the paired ratio TPOT(method)/TPOT(specter), "
         "each method's TPOT on a prompt being the median over its timing repeats (`records` records in all; repeats "
         "decode the same tokens, so the prompt is the unit); ci_low/ci_high: its percentile-bootstrap 95 % CI over "
-        "prompts (2,000 resamples, seed 0). `flagged`: records of the two methods left out for a drifted link. "
+        "prompts (20,000 resamples, seed 0; `ci_side` says which side of 1 it lies on, `unstable` where the intervals of seeds 1-4 disagree, and no verdict rests on such a side). `flagged`: records of the two methods left out for a drifted link. "
         + (f"The CI straddles 1 (no sure winner) for: {', '.join(holds)}. " if holds else
            "No cell's CI straddles 1. ")
         + "speedup_avg / mean_speedup / max_speedup: the paper's ratios of mean TPOTs (AVG over datasets, mean and "

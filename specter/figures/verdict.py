@@ -9,6 +9,8 @@ CPU         from the records (the tiny proxy on the calibrated emulated link): S
               fastest            the CI lies above 1 against every rival
               not demonstrated   no CI below 1, but at least one holds 1 (those rivals are named)
               slower than X      the CI lies below 1 against X
+            A side counts only where the intervals of every seed in tpot_grid.CI_CHECK_SEEDS agree
+            (headline's `ci_side`); one that moves with the seed holds 1.
             Reason: Specter's expert loads per token (H2D bytes / one expert's bytes / new tokens), accepted
             fraction of K (accepted / drafted tokens, the quantity the projection calls acceptance) with α
             beside it, and slots (M+S: resident experts per layer + staging buffers) beside the same numbers
@@ -128,6 +130,14 @@ def _facts_text(name: str, f: dict) -> str:
     return f"{name}: {io}{spec}, M+S {f['slots']}"
 
 
+def _sides(rivals: pd.DataFrame) -> pd.Series:
+    """headline's `ci_side` per rival (above / below / holds / unstable), or the side of its one interval."""
+    if "ci_side" in rivals.columns:
+        return rivals["ci_side"].fillna("holds").astype(str)
+    return pd.Series(["above" if lo > 1 else "below" if hi < 1 else "holds"
+                      for lo, hi in zip(rivals["ci_low"], rivals["ci_high"])], index=rivals.index, dtype=object)
+
+
 def cpu_verdicts(paired: pd.DataFrame, records: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, memory, hardware) where Specter and a lossless offloading rival were paired:
     cpu_verdict ('fastest', 'not demonstrated', 'slower than X'), cpu_reason, and the closest rival's numbers.
@@ -144,8 +154,9 @@ def cpu_verdicts(paired: pd.DataFrame, records: pd.DataFrame) -> pd.DataFrame:
         rivals = g[[is_rival(m, lo) for m, lo in zip(g["method"], lossy)]]
         if rivals.empty:
             continue
-        below = rivals[rivals["ci_high"] < 1]
-        holds = rivals[(rivals["ci_low"] <= 1) & (rivals["ci_high"] >= 1)]
+        side = _sides(rivals)
+        below = rivals[side == "below"]
+        holds = rivals[side.isin(["holds", "unstable"])]  # an interval whose side moves with the seed holds 1
         closest = rivals.loc[rivals["speedup"].idxmin()]
         if len(below):
             verdict = "slower than " + ", ".join(below["method"])
