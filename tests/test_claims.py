@@ -1,4 +1,4 @@
-"""The numbers README and ARTIFACT quote from the shipped set are generated (specter/figures/claims.py):
+"""The numbers README, ARTIFACT and docs (projection, load_efficiency) quote from the shipped set are generated (specter/figures/claims.py):
 README's CPU speedup table is the generated one, and every decimal number in a `<!-- claims -->` region
 is a value of the claims built from results/reference, or one of the paper's typed numbers."""
 
@@ -13,7 +13,7 @@ from conftest import REPO
 from specter.figures.claims import DASH, claims_table
 from specter.figures.data import ResultSet
 
-DOCS = ("README.md", "ARTIFACT.md")
+DOCS = ("README.md", "ARTIFACT.md", "docs/projection.md", "docs/load_efficiency.md")
 REGION = re.compile(r"<!-- claims -->(.*?)<!-- /claims -->", re.S)
 DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?![\d.]*\d)")
 

@@ -15,6 +15,8 @@ range's ends count), so a number typed by hand goes stale only outside those reg
     cpu.<model>.alpha                             Specter's α over the model's cells (median of records)
     cpu.range.*                                   the ranges the prose quotes (over models, tiers, rivals)
     proj.<model>.<tier>.<method>.tpot_ms          the projection: Specter's profiled-K row, each rival's best
+    batch.<model>.<tier>.<method>.B<b>.*          the projected batching, and the paper's batching claims projected
+    alpha.<model>.<tier>.<method>.<draft>.*       the projected α curve: α, TPOT, loads per token per draft
 """
 
 from __future__ import annotations
@@ -181,10 +183,68 @@ def projection_claims(results: ResultSet) -> list[tuple[str, str, str]]:
         spec = spec[ks == "profiled"] if (ks == "profiled").any() else spec
         best = pd.concat([spec.sort_values("tpot_ms").head(1),
                           cell[cell["method"] != REFERENCE].sort_values("tpot_ms").drop_duplicates("method")])
+        if len(spec):
+            row = spec.sort_values("tpot_ms").iloc[0]
+            for col, what in (("belady_loads_per_token", "the Belady bound of Specter's profiled-K row"),
+                              ("specter_belady_loads_per_token", "Specter's lowest Belady bound over its rows")):
+                v = pd.to_numeric(pd.Series([row.get(col)]), errors="coerce").iloc[0]
+                out.append((f"proj.{model}.{memory}.specter.{col}", ms(float(v)), f"{what}, loads/token"))
         for r in best.itertuples(index=False):
             what = "Specter's profiled-K row" if r.method == REFERENCE else "its best row"
             out.append((f"proj.{model}.{memory}.{r.method}.tpot_ms", ms(float(r.tpot_ms)),
                         f"projected TPOT on the A100, ms ({what})"))
+            loads = pd.to_numeric(pd.Series([getattr(r, "loads_per_token", None)]), errors="coerce").iloc[0]
+            out.append((f"proj.{model}.{memory}.{r.method}.loads_per_token", ms(float(loads)),
+                        f"its expert loads per token ({what})"))
+    return out
+
+
+def batch_claims(results: ResultSet) -> list[tuple[str, str, str]]:
+    """The projected batching (batch_projection.csv, batch_vs_paper.csv of experiment=project) on the A100:
+    per model, tier, method and B its TPOT, throughput, loads per token and the ratios to B = 1; and each of
+    the paper's batching claims as projected (`.max`: the largest over B, where the paper quotes a maximum)."""
+    from specter.figures.projected_batching import _read
+
+    out = []
+    df = _read(results, "batch_projection.csv", {"method", "batch_size", "tpot_ms", "throughput_tok_s", "device"})
+    if not df.empty:
+        df = df[df["device"].astype(str) == verdict.DEVICE].drop_duplicates(
+            ["model", "memory", "method", "batch_size"], keep="last")
+        for r in df.itertuples(index=False):
+            key = f"batch.{r.model}.{r.memory}.{r.method}.B{int(r.batch_size)}"
+            out += [(f"{key}.tpot_ms", ms(float(r.tpot_ms)), "projected TPOT, ms"),
+                    (f"{key}.throughput_tok_s", ms(float(r.throughput_tok_s)), "projected tokens/s"),
+                    (f"{key}.tpot_vs_b1", ratio(float(r.tpot_vs_b1)), "TPOT over B = 1's"),
+                    (f"{key}.throughput_vs_b1", ratio(float(r.throughput_vs_b1)), "throughput over B = 1's"),
+                    (f"{key}.loads_per_token", ms(float(r.loads_per_token)), "expert loads per token")]
+    versus = _read(results, "batch_vs_paper.csv", {"claim", "paper", "projected", "device"})
+    if not versus.empty:
+        versus = versus[versus["device"].astype(str) == verdict.DEVICE]
+        for r in versus.itertuples(index=False):
+            key = f"batch.{r.model}.{r.memory}.{r.claim}.{int(r.batch_from)}to{int(r.batch_to)}"
+            out.append((key, ratio(float(r.projected)), "the paper's batching claim, projected"))
+            if not pd.isna(r.projected_max):
+                out.append((f"{key}.max", ratio(float(r.projected_max)), f"its largest over B (at B = "
+                            f"{int(r.projected_max_at)})"))
+    return out
+
+
+def alpha_claims(results: ResultSet) -> list[tuple[str, str, str]]:
+    """The projected α curve (alpha_curve.csv of experiment=project) on the A100: per model, tier, method and
+    draft its α (3 decimals), TPOT (ms) and loads per token."""
+    from specter.figures.projected_batching import _read
+
+    df = _read(results, "alpha_curve.csv", {"method", "draft", "alpha", "tpot_ms", "device"})
+    out = []
+    if df.empty:
+        return out
+    df = df[df["device"].astype(str) == verdict.DEVICE].drop_duplicates(["model", "memory", "method", "draft"],
+                                                                          keep="last")
+    for r in df.itertuples(index=False):
+        key = f"alpha.{r.model}.{r.memory}.{r.method}.{str(r.draft).replace(' ', '_')}"
+        out += [(f"{key}.alpha", f"{float(r.alpha):.3f}", "accepted / drafted at its K"),
+                (f"{key}.tpot_ms", ms(float(r.tpot_ms)), "projected TPOT, ms"),
+                (f"{key}.loads_per_token", ms(float(r.loads_per_token)), "expert loads per token")]
     return out
 
 
@@ -198,7 +258,8 @@ def claims_table(results: ResultSet) -> tuple[pd.DataFrame, str]:
     if paired.empty:
         raise Skip("no method shares a cell with specter")
     tpot = tpot_table(results.records("main").dropna(subset=["tpot_ms"]))  # as fig14_tpot draws it
-    rows = cpu_claims(paired, tpot, records) + projection_claims(results)
+    rows = (cpu_claims(paired, tpot, records) + projection_claims(results) + batch_claims(results)
+            + alpha_claims(results))
     return pd.DataFrame(rows, columns=["key", "value", "what"]), speedup_table_md(paired, tpot)
 
 
