@@ -150,3 +150,21 @@ def _run_folder(folder: Path) -> Path:
     parts = folder.parts
     cut = next((i for i, p in enumerate(parts) if p.startswith(("K=", "B=", "r="))), len(parts))
     return Path(*parts[:cut]) if cut else folder
+
+
+def unrecorded_files(root: Path) -> list[Path]:
+    """Result files (CSV, gzipped CSV) under `root` that no provenance.json covers: none in their folder or an
+    enclosing one up to `root`, and none below their folder (a sweep's summary stands on its points' records).
+    Their code cannot be checked against HEAD's: they carry no commit or digest."""
+    root = Path(root)
+    out = []
+    for path in sorted([*root.rglob("*.csv"), *root.rglob("*.csv.gz")]):
+        folder = path.parent
+        if any(folder.rglob(PROVENANCE_NAME)):
+            continue
+        up = folder
+        while up != root and up != up.parent and not (up / PROVENANCE_NAME).exists():
+            up = up.parent
+        if not (up / PROVENANCE_NAME).exists():
+            out.append(path)
+    return out

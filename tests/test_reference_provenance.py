@@ -54,6 +54,29 @@ def test_a_folder_measured_by_other_code_is_reported(tmp_path):
     assert dict((f.name, w) for f, w in stale_folders(results, repo))["none"] == "records no commit"
 
 
+def test_files_no_provenance_covers_are_found(tmp_path):
+    import json
+
+    from specter.code_provenance import unrecorded_files
+
+    for folder in ("run", "sweep/K=4", "bare", "run/sub"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "run" / "provenance.json").write_text(json.dumps({"code": []}))
+    (tmp_path / "sweep" / "K=4" / "provenance.json").write_text(json.dumps({"code": []}))
+    for f in ("run/records.csv", "run/sub/trace.csv.gz", "sweep/k_sweep.csv", "bare/projection.csv"):
+        (tmp_path / f).write_text("a\n1\n")
+    assert [p.relative_to(tmp_path).as_posix() for p in unrecorded_files(tmp_path)] == ["bare/projection.csv"]
+
+
+def test_the_reference_set_names_what_carries_no_provenance():
+    """Today the projection's CSVs carry none (its writer records no commit yet): the warning names them and
+    nothing else; this list may only shrink."""
+    from specter.code_provenance import unrecorded_files
+
+    bare = {p.parent.parent.name for p in unrecorded_files(REPO / "results" / "reference")}
+    assert bare <= {"project"}, bare
+
+
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every import in a file, function-level ones included, relative ones resolved."""
     import ast

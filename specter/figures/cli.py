@@ -198,8 +198,9 @@ def _failed(title: str, err: Exception) -> str:
 
 
 def warn_stale_code(results_dir: Path, repo: Path) -> int:
-    """One warning per run folder whose specter/ or baselines/ tree is not HEAD's; how many."""
-    from specter.code_provenance import stale_folders
+    """One warning per run folder whose specter/ or baselines/ tree is not HEAD's, and per folder of result
+    files no provenance covers; how many."""
+    from specter.code_provenance import stale_folders, unrecorded_files
 
     if not results_dir.is_dir():
         return 0
@@ -209,4 +210,10 @@ def warn_stale_code(results_dir: Path, repo: Path) -> int:
     if stale:
         print(f"warning: {len(stale)} result folder(s) under {results_dir} were not measured by HEAD's code "
               "(specter/, baselines/)")
-    return len(stale)
+    bare = unrecorded_files(results_dir)
+    folders = sorted({p.parent for p in bare})
+    for folder in folders:
+        names = ", ".join(p.name for p in bare if p.parent == folder)
+        print(f"warning: {folder}: {names} carry no provenance (no commit or code digest): which code measured "
+              "them cannot be checked")
+    return len(stale) + len(folders)
