@@ -26,17 +26,13 @@ import math
 import pandas as pd
 
 from specter.figures import verdict
-from specter.figures.common import Output, Skip, order_models, order_tiers
+from specter.figures.common import Output, Skip, method_label, order_models, order_tiers
 from specter.figures.data import ResultSet
-from specter.figures.headline import REFERENCE, headline_table
+from specter.figures.headline import REFERENCE, headline_table, order_methods
 from specter.figures.tpot_grid import tpot_table
 from specter.records.paired import flagged_mask
 
 NAME = "claims"
-# README's CPU table: its rivals in column order (the paper's offloading rivals, then SpecMoEOff's preset)
-TABLE_RIVALS = ("offload_ar", "mo_sc", "mo_sm", "specmoeoff", "specmoeoff_artifact")
-TABLE_HEADER = ("| model | tier | Specter TPOT ms | × offload_ar | × MO-SC | × MO-SM | × SpecMoEOff "
-                "| × SpecMoEOff (artifact preset) |")
 DASH = "–"  # a range's dash, as the prose writes it
 
 
@@ -58,24 +54,30 @@ def span(values, fmt=ratio) -> str:
 
 # ---------------------------------------------------------------------------------- the CPU speedup table
 def speedup_table_md(paired: pd.DataFrame, tpot: pd.DataFrame) -> str:
-    """README's table: per cell Specter's TPOT and each rival's speedup (CI); bold where Specter is slower
-    (the CI lies below 1)."""
-    lines = [TABLE_HEADER, "|" + "---|" * (3 + len(TABLE_RIVALS))]
+    """README's table: per cell Specter's TPOT and each lossless offloading rival's speedup (CI), in the
+    figures' legend order; bold where Specter is slower (the CI lies below 1), † where the interval's side of
+    1 differs between bootstrap seeds (headline's ci_side 'unstable')."""
     cells = paired[paired["model"] != "ALL"]
+    lossy = cells["lossy"].fillna(False).astype(bool) if "lossy" in cells.columns else pd.Series(False, cells.index)
+    shown = set(cells.loc[[verdict.is_rival(m, lo) for m, lo in zip(cells["method"], lossy)], "method"])
+    rivals = [m for m in order_methods(cells["method"].unique()) if m in shown]
+    lines = ["| model | tier | Specter TPOT ms | " + " | ".join(f"× {method_label(m)}" for m in rivals) + " |",
+             "|" + "---|" * (3 + len(rivals))]
     avg = tpot[(tpot["dataset"] == "AVG") & (tpot["method"] == REFERENCE)]
     for model in order_models(cells["model"].unique()):
         for memory in order_tiers(cells.loc[cells["model"] == model, "memory"].unique()):
             g = cells[(cells["model"] == model) & (cells["memory"] == memory)].set_index("method")
             t = avg[(avg["model"] == model) & (avg["memory"] == memory)]["median_ms"]
             row = [model, memory, ms(float(t.iloc[0])) if len(t) else "n/a"]
-            for method in TABLE_RIVALS:
+            for method in rivals:
                 if method not in g.index:
                     row.append("—")
                     continue
                 r = g.loc[method]
                 s = ratio(float(r["speedup"]))
+                moves = "†" if r.get("ci_side") == "unstable" else ""  # its side of 1 moves with the seed
                 row.append(f"{f'**{s}**' if r['ci_high'] < 1 else s} "
-                           f"({ratio(float(r['ci_low']))}{DASH}{ratio(float(r['ci_high']))})")
+                           f"({ratio(float(r['ci_low']))}{DASH}{ratio(float(r['ci_high']))}){moves}")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
