@@ -205,10 +205,10 @@ def batch_claims(results: ResultSet) -> list[tuple[str, str, str]]:
     """The projected batching (batch_projection.csv, batch_vs_paper.csv of experiment=project) on the A100:
     per model, tier, method and B its TPOT, throughput, loads per token and the ratios to B = 1; and each of
     the paper's batching claims as projected (`.max`: the largest over B, where the paper quotes a maximum)."""
-    from specter.figures.projected_batching import _read
+    from specter.figures.projected_batching import read_found
 
     out = []
-    df = _read(results, "batch_projection.csv", {"method", "batch_size", "tpot_ms", "throughput_tok_s", "device"})
+    df = read_found(results, "batch_projection.csv", {"method", "batch_size", "tpot_ms", "throughput_tok_s", "device"})
     if not df.empty:
         df = df[df["device"].astype(str) == verdict.DEVICE].drop_duplicates(
             ["model", "memory", "method", "batch_size"], keep="last")
@@ -219,7 +219,7 @@ def batch_claims(results: ResultSet) -> list[tuple[str, str, str]]:
                     (f"{key}.tpot_vs_b1", ratio(float(r.tpot_vs_b1)), "TPOT over B = 1's"),
                     (f"{key}.throughput_vs_b1", ratio(float(r.throughput_vs_b1)), "throughput over B = 1's"),
                     (f"{key}.loads_per_token", ms(float(r.loads_per_token)), "expert loads per token")]
-    versus = _read(results, "batch_vs_paper.csv", {"claim", "paper", "projected", "device"})
+    versus = read_found(results, "batch_vs_paper.csv", {"claim", "paper", "projected", "device"})
     if not versus.empty:
         versus = versus[versus["device"].astype(str) == verdict.DEVICE]
         for r in versus.itertuples(index=False):
@@ -234,9 +234,9 @@ def batch_claims(results: ResultSet) -> list[tuple[str, str, str]]:
 def alpha_claims(results: ResultSet) -> list[tuple[str, str, str]]:
     """The projected α curve (alpha_curve.csv of experiment=project) on the A100: per model, tier, method and
     draft its α (3 decimals), TPOT (ms) and loads per token."""
-    from specter.figures.projected_batching import _read
+    from specter.figures.projected_batching import read_found
 
-    df = _read(results, "alpha_curve.csv", {"method", "draft", "alpha", "tpot_ms", "device"})
+    df = read_found(results, "alpha_curve.csv", {"method", "draft", "alpha", "tpot_ms", "device"})
     out = []
     if df.empty:
         return out

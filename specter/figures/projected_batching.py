@@ -30,7 +30,8 @@ CLAIM_LABELS = {"batch_tpot_ratio": "TPOT", "batch_throughput_ratio": "throughpu
                 "throughput vs SpecMoEOff"}
 
 
-def _read(results: ResultSet, name: str, need: set[str]) -> pd.DataFrame:
+def read_found(results: ResultSet, name: str, need: set[str]) -> pd.DataFrame:
+    """Every `name` CSV the projection figures find that has the `need` columns and rows, concatenated."""
     frames = [df for _, df in _found(results, name) if need <= set(df.columns) and len(df)]
     if not frames:
         return pd.DataFrame()
@@ -38,11 +39,11 @@ def _read(results: ResultSet, name: str, need: set[str]) -> pd.DataFrame:
 
 
 def build(results: ResultSet, out: Output) -> None:
-    df = _read(results, "batch_projection.csv", {"method", "batch_size", "tpot_ms", "throughput_tok_s", "device"})
+    df = read_found(results, "batch_projection.csv", {"method", "batch_size", "tpot_ms", "throughput_tok_s", "device"})
     if df.empty:
         raise Skip("no batch_projection.csv (run: python run.py experiment=project project.batch=true)")
     df = df.drop_duplicates(["model", "memory", "device", "method", "batch_size"], keep="last")
-    versus = _read(results, "batch_vs_paper.csv", {"claim", "paper", "projected", "device"})
+    versus = read_found(results, "batch_vs_paper.csv", {"claim", "paper", "projected", "device"})
     for device, g in df.groupby("device", sort=True):
         v = versus[versus["device"] == device] if not versus.empty else versus
         _figure(g, v, out, device)
