@@ -157,7 +157,8 @@ def _ranges(cells: pd.DataFrame, clean: pd.DataFrame, out: list) -> list[tuple[s
     for method, g in cells.groupby("method", sort=False):
         rows.append((f"cpu.range.{method}.speedup", span(g["speedup"]), "its speedups over the cells"))
         holds = g[(g["ci_low"] <= 1) & (g["ci_high"] >= 1)]
-        rows.append((f"cpu.range.{method}.speedup.ci_holds_1", span(holds["speedup"]), "over the cells whose CI holds 1"))
+        rows.append((f"cpu.range.{method}.speedup.ci_holds_1", span(holds["speedup"]),
+                     "over the cells whose CI holds 1"))
     weak = cells[cells["method"].isin(["offload_ar", "mo_sc", "specmoeoff_artifact"])]
     rows.append(("cpu.range.speedup_over_offload_ar_mo_sc_artifact", span(weak["speedup"], lambda v: f"{v:.1f}"),
                  "Specter's speedups over offload_ar, MO-SC and SpecMoEOff's preset, 1 decimal"))
